@@ -1,0 +1,109 @@
+# PyTorch on HPC: the front door. `make help` lists the targets.
+#
+#   make html                              build English into _build/html/en/
+#   make html SPHINXOPTS=-Dlanguage=fr     build French into _build/html/fr/
+#   make html-all                          all four languages in one site, _build/html/
+#   make test                              the whole CPU test suite
+
+LANGUAGES    := en zh_CN ja fr
+TRANSLATIONS := zh_CN ja fr
+PYTHON_BASE  ?= python3
+VENV         ?= .venv
+VPY          := $(VENV)/bin/python
+SPHINXOPTS   ?=
+JOBS         ?= auto
+STRICT       := -W --keep-going -j $(JOBS)
+BUILDDIR     := _build
+# Caches that make repeated runs fast (pip downloads, compiled ops); CI keeps this folder.
+CACHE        ?= $(CURDIR)/.cache
+export PIP_CACHE_DIR         ?= $(CACHE)/pip
+export TORCH_EXTENSIONS_DIR  ?= $(CACHE)/torch_extensions
+export TORCHINDUCTOR_CACHE_DIR ?= $(CACHE)/inductor
+# torch is pinned as a constraint too, so no dependency can pull another (CUDA) build.
+export PIP_CONSTRAINT        := $(CURDIR)/constraints.txt
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+# The language of `make html`, from SPHINXOPTS=-Dlanguage=xx (English by default).
+lang := $(or $(patsubst -Dlanguage=%,%,$(filter -Dlanguage=%,$(SPHINXOPTS))),en)
+SPHINXBUILD = $(VENV)/bin/sphinx-build
+
+.DEFAULT_GOAL := help
+.PHONY: help venv html html-all gettext update-po test test-gpu test-slurm linkcheck serve \
+        clean clean-venv system-packages node-packages
+
+help:
+	@echo "make html       build one language (SPHINXOPTS=-Dlanguage=fr for French) into $(BUILDDIR)/html/<lang>/"
+	@echo "make html-all   build en, zh_CN, ja and fr into one site in $(BUILDDIR)/html/"
+	@echo "make gettext    extract the English messages into $(BUILDDIR)/gettext/"
+	@echo "make update-po  extract, update locale/<lang>/LC_MESSAGES/*.po, normalise wrapping"
+	@echo "make test       the CPU test suite (examples, pages, translations, search)"
+	@echo "make test-gpu   the GPU tests (uses the active python if it has torch)"
+	@echo "make linkcheck  check every internal link of the built site"
+	@echo "make serve      live preview on http://127.0.0.1:8000"
+	@echo "make clean      remove $(BUILDDIR)/ ; make clean-venv removes $(VENV)/"
+
+# The virtual environment, created from requirements.txt when missing or older than it.
+venv: $(VENV)/.installed
+$(VENV)/.installed: requirements.txt constraints.txt
+	@echo ">>> Creating $(VENV) from requirements.txt (torch pinned, CPU build where available)"
+	@test -x $(VPY) || $(PYTHON_BASE) -m venv $(VENV)
+	$(VPY) -m pip install --quiet -r requirements.txt
+	@touch $@
+
+html: venv
+	@echo ">>> Building language '$(lang)' into $(BUILDDIR)/html/$(lang)/"
+	$(SPHINXBUILD) -b html $(STRICT) -c . $(SPHINXOPTS) source $(BUILDDIR)/html/$(lang)
+	@echo ">>> Open $(CURDIR)/$(BUILDDIR)/html/$(lang)/index.html"
+
+html-all: venv
+	@for l in $(LANGUAGES); do \
+	  echo ">>> Building language '$$l' into $(BUILDDIR)/html/$$l/"; \
+	  $(SPHINXBUILD) -b html $(STRICT) -c . -Dlanguage=$$l $(SPHINXOPTS) source $(BUILDDIR)/html/$$l || exit 1; \
+	done
+	cp source/_root/index.html $(BUILDDIR)/html/index.html
+	@echo ">>> Open $(CURDIR)/$(BUILDDIR)/html/index.html (it sends you to your browser's language)"
+
+gettext: venv
+	@echo ">>> Extracting messages into $(BUILDDIR)/gettext/"
+	$(SPHINXBUILD) -b gettext $(STRICT) -E -c . source $(BUILDDIR)/gettext
+
+update-po: gettext
+	@echo ">>> Updating the catalogs in locale/ and normalising their wrapping"
+	$(VENV)/bin/sphinx-intl update -w 0 -p $(BUILDDIR)/gettext -d locale $(addprefix -l ,$(TRANSLATIONS))
+	$(VENV)/bin/python tests/tools/clean_catalogs.py locale
+	$(VENV)/bin/powrap --quiet locale/*/LC_MESSAGES/*.po locale/*/LC_MESSAGES/*/*.po
+
+system-packages:
+	@bash tests/install-system-packages.sh
+
+node-packages: tests/node/node_modules/.installed
+tests/node/node_modules/.installed: tests/node/package.json tests/node/package-lock.json
+	@echo ">>> Installing the tests' Node.js packages (npm ci)"
+	cd tests/node && npm ci --no-audit --no-fund --silent
+	@touch $@
+
+# The whole CPU suite, examples in parallel. Extra pytest options: make test PYTEST_ARGS='-k install'
+test: venv system-packages node-packages
+	@echo ">>> Running the test suite"
+	$(VPY) -m pytest $(PYTEST_ARGS)
+
+# GPU tests. A GPU machine may reach no package registry: use the active python when it has
+# torch (and pytest), else the venv.
+test-gpu:
+	@py=$$(command -v python3); \
+	if ! $$py -c 'import torch, pytest' 2>/dev/null; then $(MAKE) venv && py=$(VPY); fi; \
+	echo ">>> Running the GPU tests with $$py"; \
+	$$py -m pytest -m gpu -p no:cacheprovider $(PYTEST_ARGS)
+
+linkcheck: venv
+	@echo ">>> Checking the internal links of $(BUILDDIR)/html (build it first with make html-all)"
+	$(VPY) tests/tools/check_links.py $(BUILDDIR)/html
+
+serve: venv
+	$(VENV)/bin/sphinx-autobuild -c . -Dlanguage=$(lang) $(SPHINXOPTS) source $(BUILDDIR)/serve/$(lang)
+
+clean:
+	rm -rf $(BUILDDIR)
+
+clean-venv:
+	rm -rf $(VENV)

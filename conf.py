@@ -1,0 +1,106 @@
+"""Sphinx configuration for PyTorch on HPC, shared by all four languages.
+
+English pages live in source/; translations are gettext catalogs in locale/<lang>/LC_MESSAGES/.
+Build one language with `make html SPHINXOPTS=-Dlanguage=fr`, all of them with `make html-all`.
+"""
+
+import logging
+import os
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VERSIONS = tomllib.loads((ROOT / "versions.toml").read_text(encoding="utf-8"))
+
+project = "PyTorch on HPC"
+author = "the PyTorch on HPC contributors"
+copyright = "2026, " + author  # noqa: A001 (Sphinx's name)
+
+# Languages of the site, in the order the switcher shows them.
+LANGUAGES = {"en": "English", "zh_CN": "简体中文", "ja": "日本語", "fr": "Français"}
+HREFLANG = {"en": "en", "zh_CN": "zh-CN", "ja": "ja", "fr": "fr"}
+language = "en"
+
+extensions = ["myst_parser", "sphinx_tabs.tabs", "sphinx_copybutton"]
+source_suffix = {".md": "markdown"}
+exclude_patterns = ["_build", "_root", "_templates", "_static"]
+templates_path = ["source/_templates"]
+html_static_path = ["source/_static"]
+nitpicky = True
+
+# MyST: ::: fences (tabs stay separate messages in the catalogs), substitutions for versions.
+myst_enable_extensions = ["colon_fence", "substitution", "deflist"]
+myst_heading_anchors = 3
+myst_substitutions = {
+    "torch_version": VERSIONS["cpu"]["torch"],
+    "python_version": VERSIONS["cpu"]["python"],
+    "gpu_torch_version": VERSIONS["gpu"]["torch"],
+    "gpu_python_version": VERSIONS["gpu"]["python"],
+}
+
+# Translations: absolute path (Sphinx resolves relative ones from source/, sphinx-intl from
+# here), one catalog per page, stable message ids.
+locale_dirs = [str(ROOT / "locale")]
+gettext_compact = False
+gettext_uuid = False
+gettext_additional_targets = ["index"]
+translation_progress_classes = True
+
+# HTML: furo translates its own interface strings into all four languages.
+html_theme = "furo"
+html_title = project
+html_show_sourcelink = False
+html_copy_source = False
+html_css_files = ["custom.css"]
+html_sidebars = {
+    "**": [
+        "sidebar/brand.html",
+        "language-switcher.html",
+        "sidebar/search.html",
+        "sidebar/scroll-start.html",
+        "sidebar/navigation.html",
+        "sidebar/scroll-end.html",
+    ]
+}
+html_baseurl = os.environ.get("SITE_URL", "")
+
+# Copy buttons leave out prompts ($, (venv) $, [user@login ~]$, >>>) and output lines.
+copybutton_prompt_text = r"^(\(\S+\) )?\$ |^\[[^\]]+\][$#] |^>>> |^\.\.\. "
+copybutton_prompt_is_regexp = True
+copybutton_only_copy_prompt_lines = True
+copybutton_remove_prompts = True
+
+# Chinese search: Sphinx 9.0.x writes `window.Stemmer = ChineseStemmer` into language_data.js,
+# a name it never defines, so search fails in the browser (sphinx-doc/sphinx#14229, fixed after
+# 9.0). Chinese has no stemming anyway; use the English stemmer name that Sphinx does ship.
+try:
+    import jieba
+    import sphinx.search.zh
+
+    jieba.setLogLevel(logging.WARNING)
+    sphinx.search.zh.SearchChinese.language_name = "English"
+except ImportError:  # jieba is in requirements.txt; without it Sphinx falls back to bigrams
+    pass
+
+
+def _language_links(app, pagename, templatename, context, doctree):
+    """Give every page links to itself in each language, and hreflang alternates."""
+    current = app.config.language
+    up = "../" * (pagename.count("/") + 1)
+    links = []
+    for lang, name in LANGUAGES.items():
+        href = f"{up}{lang}/{pagename}.html"
+        if app.config.html_baseurl:
+            href = f"{app.config.html_baseurl.rstrip('/')}/{lang}/{pagename}.html"
+        links.append({"lang": lang, "name": name, "href": href, "current": lang == current})
+    context["language_links"] = links
+    alternates = "".join(
+        f'<link rel="alternate" hreflang="{HREFLANG[link["lang"]]}" href="{link["href"]}" />\n'
+        for link in links
+    )
+    context["metatags"] = context.get("metatags", "") + alternates
+
+
+def setup(app):
+    app.connect("html-page-context", _language_links)
+    return {"parallel_read_safe": True, "parallel_write_safe": True}

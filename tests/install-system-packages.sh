@@ -1,0 +1,27 @@
+#!/bin/bash
+# Install the system tools the tests use (Debian/Ubuntu, as root): gettext (msgfmt),
+# Lmod (environment modules for the job scripts), Node.js (search index and
+# workflow linting), g++ (torch.compile) and cmake. Does nothing when all are present.
+# Without root it lists what is missing; the tests that need it then skip, saying why.
+set -euo pipefail
+need=()
+command -v msgfmt >/dev/null || need+=(gettext)
+command -v shellcheck >/dev/null || need+=(shellcheck)
+[[ -f /usr/share/lmod/lmod/init/bash ]] || need+=(lmod)
+command -v node >/dev/null || need+=(nodejs)
+command -v npm >/dev/null || need+=(npm)
+command -v g++ >/dev/null || need+=(g++)
+command -v cmake >/dev/null || need+=(cmake)
+if [[ ${#need[@]} -eq 0 ]]; then
+    echo "System packages: all present."
+    exit 0
+fi
+if [[ $(id -u) -ne 0 ]]; then
+    echo "System packages missing (install them, as root: apt-get install ${need[*]});" \
+         "the tests that need them will be skipped." >&2
+    exit 0
+fi
+echo "Installing system packages: ${need[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
