@@ -65,7 +65,8 @@ html_sidebars = {
 html_baseurl = os.environ.get("SITE_URL", "")
 
 # Copy buttons leave out prompts ($, (venv) $, [user@login ~]$, >>>) and output lines.
-copybutton_prompt_text = r"^(\(\S+\) )?\$ |^\[[^\]]+\][$#] |^>>> |^\.\.\. "
+# copybutton wraps this in ^(...)(.*), so the groups inside must not capture.
+copybutton_prompt_text = r"(?:\(\S+\) )?(?:\$ |\[[^\]]+\][$#] )|>>> |\.\.\. "
 copybutton_prompt_is_regexp = True
 copybutton_only_copy_prompt_lines = True
 copybutton_remove_prompts = True

@@ -18,16 +18,9 @@ import platform
 import sys
 import time
 
-# Scheduler variables that say this job was given GPUs.
-GPU_REQUEST_VARIABLES = (
-    "SLURM_GPUS_ON_NODE",
-    "SLURM_JOB_GPUS",
-    "SLURM_STEP_GPUS",
-    "SLURM_GPUS",
-    "SLURM_GPUS_PER_NODE",
-    "SLURM_GPUS_PER_TASK",
-    "SGE_HGR_gpu",
-)
+# Scheduler variables that say this job was given GPUs: lists of GPU indices, then counts.
+GPU_LIST_VARIABLES = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SGE_HGR_gpu")
+GPU_COUNT_VARIABLES = ("SLURM_GPUS_ON_NODE", "SLURM_GPUS", "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_TASK")
 
 HOW_TO_REQUEST_A_GPU = (
     "request one: Slurm '#SBATCH --gpus-per-node=1' (or --gres=gpu:1), "
@@ -58,10 +51,11 @@ def fail(message):
 
 def gpu_request():
     """Return 'NAME=value' for the first scheduler variable that shows a GPU request."""
-    for name in GPU_REQUEST_VARIABLES:
+    for name in GPU_LIST_VARIABLES + GPU_COUNT_VARIABLES:
         value = os.environ.get(name, "")
-        if value and value not in ("0", "(null)"):
-            return f"{name}={value}"
+        if value in ("", "(null)") or (name in GPU_COUNT_VARIABLES and value.endswith("0")):
+            continue
+        return f"{name}={value}"
     return None
 
 
