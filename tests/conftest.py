@@ -83,7 +83,9 @@ def job_env(tmp_path):
     The venv the scripts activate is the one the tests run in (VENV=sys.prefix).
     """
     if not LMOD_INIT.exists():
-        pytest.skip("Lmod is not installed: run `make system-packages` as root (apt-get install lmod)")
+        pytest.skip(
+            "Lmod is not installed: run `make system-packages` as root (apt-get install lmod)"
+        )
     return example_env(
         BASH_ENV=LMOD_INIT,
         MODULEPATH=TESTS / "modulefiles",

@@ -6,7 +6,6 @@ import sys
 import pytest
 import torch
 import yaml
-
 from conftest import EXAMPLES, TESTS, VERSIONS, copy_example, example_env, run
 
 CHECK = EXAMPLES / "install" / "check_pytorch.py"
@@ -47,7 +46,9 @@ def test_check_pytorch_warns_when_the_scheduler_gave_a_gpu_it_cannot_see(tmp_pat
     env = example_env(SLURM_JOB_GPUS="0", CUDA_VISIBLE_DEVICES="0")
     out = run([sys.executable, CHECK, "--size", "32"], cwd=tmp_path, env=env).stdout
     assert "GPUs requested:  SLURM_JOB_GPUS=0" in out
-    assert "WARNING: the scheduler gave this job GPUs (SLURM_JOB_GPUS=0) but PyTorch sees none" in out
+    assert (
+        "WARNING: the scheduler gave this job GPUs (SLURM_JOB_GPUS=0) but PyTorch sees none" in out
+    )
     assert "works on cpu" in out
 
 
@@ -81,7 +82,7 @@ def test_kernels_available(capability, arch_list, expected):
 def test_check_pytorch_on_the_gpu(tmp_path):
     out = run([sys.executable, CHECK, "--device", "cuda"], cwd=tmp_path).stdout
     assert "GPU 0:" in out and "kernels in this build: yes" in out
-    assert f"Test product:    1024x1024 on cuda" in out
+    assert "Test product:    1024x1024 on cuda" in out
     assert "works on cuda" in out and "WARNING" not in out
 
 
@@ -115,9 +116,19 @@ def wheelhouse(tmp_path_factory):
     """A site wheelhouse: torch and its dependencies as wheels in one folder."""
     folder = tmp_path_factory.mktemp("wheelhouse")
     run(
-        [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:",
-         "--dest", folder, f"torch=={VERSIONS['cpu']['torch']}"],
-        cwd=folder, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--only-binary=:all:",
+            "--dest",
+            folder,
+            f"torch=={VERSIONS['cpu']['torch']}",
+        ],
+        cwd=folder,
+        timeout=600,
     )
     return folder
 
@@ -144,12 +155,17 @@ def test_make_venv_installs_a_working_pytorch(tmp_path, job_env, source, request
 def test_make_conda_env_creates_the_environment_and_checks_it(tmp_path, job_env):
     """conda's channels cannot be reached here: tests/standins/conda plays conda's part
     (it logs the calls and makes a venv that sees the tests' torch)."""
-    copy_example(tmp_path, "install/make_conda_env.sh", "install/environment.yml", "install/check_pytorch.py")
+    copy_example(
+        tmp_path, "install/make_conda_env.sh", "install/environment.yml", "install/check_pytorch.py"
+    )
     log = tmp_path / "conda.log"
     env = {**job_env, "CONDA_ENV": str(tmp_path / "env"), "CONDA_STANDIN_LOG": str(log)}
     out = run(["bash", "make_conda_env.sh"], cwd=tmp_path, env=env).stdout
     calls = log.read_text().splitlines()
-    assert calls[0] == f"conda env create --prefix {tmp_path / 'env'} --file {tmp_path / 'environment.yml'}"
+    assert (
+        calls[0]
+        == f"conda env create --prefix {tmp_path / 'env'} --file {tmp_path / 'environment.yml'}"
+    )
     assert calls[1].startswith(f"conda run --prefix {tmp_path / 'env'} python ")
     assert f"({tmp_path / 'env' / 'bin' / 'python'})" in out
     assert f"Environment ready: conda activate {tmp_path / 'env'}" in out

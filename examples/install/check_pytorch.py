@@ -20,7 +20,12 @@ import time
 
 # Scheduler variables that say this job was given GPUs: lists of GPU indices, then counts.
 GPU_LIST_VARIABLES = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SGE_HGR_gpu")
-GPU_COUNT_VARIABLES = ("SLURM_GPUS_ON_NODE", "SLURM_GPUS", "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_TASK")
+GPU_COUNT_VARIABLES = (
+    "SLURM_GPUS_ON_NODE",
+    "SLURM_GPUS",
+    "SLURM_GPUS_PER_NODE",
+    "SLURM_GPUS_PER_TASK",
+)
 
 HOW_TO_REQUEST_A_GPU = (
     "request one: Slurm '#SBATCH --gpus-per-node=1' (or --gres=gpu:1), "
@@ -161,7 +166,8 @@ def main(argv=None):
     if not torch.isfinite(c).all():
         fail(f"the test product on {device} gave non-finite values")
     gflops = 2 * args.size**3 / elapsed / 1e9
-    print(f"Test product:    {args.size}x{args.size} on {device}: {elapsed * 1e3:.1f} ms, {gflops:.1f} GFLOP/s")
+    size = f"{args.size}x{args.size}"
+    print(f"Test product:    {size} on {device}: {elapsed * 1e3:.1f} ms, {gflops:.1f} GFLOP/s")
     print(f"Result: PyTorch {torch.__version__} works on {device}")
 
 

@@ -1,6 +1,6 @@
 """Drop obsolete (#~) entries that `sphinx-intl update` keeps, so catalogs match the English.
 
-    python tests/tools/clean_catalogs.py locale
+python tests/tools/clean_catalogs.py locale
 """
 
 import sys
