@@ -43,6 +43,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+def pytest_terminal_summary(terminalreporter):
+    """Print the durations tests recorded with record_property("timing", "what: N s")."""
+    notes = sorted(
+        value
+        for reports in terminalreporter.stats.values()
+        for report in reports
+        if getattr(report, "when", None) == "call"
+        for name, value in getattr(report, "user_properties", ())
+        if name == "timing"
+    )
+    if notes:
+        terminalreporter.section("timings")
+        for note in notes:
+            terminalreporter.write_line(note)
+
+
 def example_env(**extra):
     """Environment for running an example: the tests' Python first on PATH, own warnings fatal."""
     env = dict(os.environ)

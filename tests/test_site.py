@@ -1,0 +1,182 @@
+"""The built site, in all four languages: strict builds, switcher, tabs, search, copy, links."""
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+from html.parser import HTMLParser
+
+import pytest
+from conftest import LANGUAGES, ROOT, SOURCE, TESTS, TRANSLATIONS, VERSIONS, require_command
+
+pytestmark = pytest.mark.xdist_group("site")
+
+PAGES = sorted(str(p.relative_to(SOURCE).with_suffix("")) for p in SOURCE.rglob("*.md"))
+# Tab labels that are names, the same in every language. Any other label must be translated.
+NEUTRAL_TAB_LABELS = {"Slurm", "Grid Engine", "PBS", "venv", "conda", "Apptainer", "Lmod"}
+# A word from the install page in each language, as a reader would type it into the search box.
+SEARCH_WORDS = {"en": "wheelhouse", "zh_CN": "容器", "ja": "コンテナ", "fr": "conteneur"}
+
+
+class Page(HTMLParser):
+    """The parts of a built page the tests look at."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.lang, self.alternates, self.switcher, self.tabs = None, {}, [], []
+        self.classes, self.placeholders, self._in = [], [], None
+        self.text = path.read_text(encoding="utf-8")
+        self.feed(self.text)
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        self.classes.extend((attrs.get("class") or "").split())
+        if tag == "html":
+            self.lang = attrs.get("lang")
+        if tag == "link" and attrs.get("rel") == "alternate" and "hreflang" in attrs:
+            self.alternates[attrs["hreflang"]] = attrs["href"]
+        if tag == "nav" and "language-switcher" in (attrs.get("class") or ""):
+            self._in = "switcher"
+        if tag == "a" and self._in == "switcher":
+            self.switcher.append(attrs)
+        if tag == "button" and "sphinx-tabs-tab" in (attrs.get("class") or ""):
+            self._in = "tab"
+            self.tabs.append("")
+        if tag == "input" and attrs.get("placeholder"):
+            self.placeholders.append(attrs["placeholder"])
+
+    def handle_endtag(self, tag):
+        if (tag == "nav" and self._in == "switcher") or (tag == "button" and self._in == "tab"):
+            self._in = None
+
+    def handle_data(self, data):
+        if self._in == "tab":
+            self.tabs[-1] += data.strip()
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """All four languages built fresh and strict (-E -W --keep-going), as make html-all does."""
+    out = tmp_path_factory.mktemp("html")
+    builds = {}
+    for lang in LANGUAGES:
+        start = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, "-m", "sphinx", "-b", "html", "-E", "-W", "--keep-going", "-j", "auto",
+             "-c", ROOT, f"-Dlanguage={lang}", SOURCE, out / lang],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        builds[lang] = (proc, time.perf_counter() - start)
+    shutil.copy(SOURCE / "_root" / "index.html", out / "index.html")
+    return out, builds
+
+
+@pytest.mark.parametrize("lang", LANGUAGES)
+def test_language_builds_strict_and_clean(site, lang, record_property):
+    proc, seconds = site[1][lang]
+    assert proc.returncode == 0 and "WARNING" not in proc.stderr, proc.stdout[-3000:] + proc.stderr
+    record_property("timing", f"site build, {lang} (fresh, -W): {seconds:.1f} s")
+
+
+@pytest.mark.parametrize("lang", LANGUAGES)
+@pytest.mark.parametrize("page", PAGES)
+def test_page_has_switcher_alternates_and_versions(site, lang, page):
+    out, _ = site
+    html = Page(out / lang / f"{page}.html")
+    assert html.lang == lang.replace("_", "-")
+    assert [a["hreflang"] for a in html.switcher] == ["en", "zh-CN", "ja", "fr"]
+    for link in html.switcher:
+        target = (out / lang / page).parent / link["href"]
+        assert (
+            target.resolve()
+            == (out / link["hreflang"].replace("-", "_") / f"{page}.html").resolve()
+        )
+        assert target.is_file(), link["href"]
+    assert [a.get("aria-current") for a in html.switcher].count("page") == 1
+    assert set(html.alternates) == {"en", "zh-CN", "ja", "fr"}
+    assert VERSIONS["cpu"]["torch"] in html.text and VERSIONS["cpu"]["python"] in html.text
+
+
+@pytest.mark.parametrize("lang", TRANSLATIONS)
+@pytest.mark.parametrize("page", PAGES)
+def test_translated_page_shows_no_english(site, lang, page):
+    out, _ = site
+    html = Page(out / lang / f"{page}.html")
+    english = Page(out / "en" / f"{page}.html")
+    assert "untranslated" not in html.classes, "a paragraph fell back to English"
+    assert html.classes.count("translated") > 0, "the catalog was not applied"
+    for label in html.tabs:
+        assert label in NEUTRAL_TAB_LABELS or label not in english.tabs, (
+            f"English tab label {label!r}"
+        )
+    assert html.placeholders and html.placeholders != english.placeholders, (
+        "theme strings in English"
+    )
+
+
+@pytest.mark.parametrize("lang", LANGUAGES)
+def test_search_finds_the_install_page(site, lang):
+    require_command("node", "run `make system-packages` as root (apt-get install nodejs)")
+    out, _ = site
+    word = SEARCH_WORDS[lang]
+    proc = subprocess.run(
+        ["node", TESTS / "node" / "search.mjs", out / lang, word],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "getting-started/install" in json.loads(proc.stdout), f"{word!r} found {proc.stdout}"
+
+
+def test_copy_button_leaves_out_prompts_and_output(site):
+    require_command("node", "run `make system-packages` as root (apt-get install nodejs)")
+    out, _ = site
+    blocks = [
+        "[user@login ~]$ sbatch check_pytorch.sbatch\nSubmitted batch job 123456\n"
+        "[user@login ~]$ squeue --me",
+        "(pytorch) [user@gpu-node ~]$ python check_pytorch.py --device cuda",
+        "$ module avail pytorch",
+        ">>> import torch\n>>> torch.cuda.is_available()\nTrue",
+        "#!/bin/bash\n# a script: copied whole\nset -euo pipefail",
+    ]
+    proc = subprocess.run(
+        ["node", TESTS / "node" / "copy.mjs", out / "en"],
+        input=json.dumps(blocks), capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [
+        "sbatch check_pytorch.sbatch\nsqueue --me",
+        "python check_pytorch.py --device cuda",
+        "module avail pytorch",
+        "import torch\ntorch.cuda.is_available()",
+        blocks[4],
+    ]
+
+
+def test_every_internal_link_resolves(site):
+    out, _ = site
+    proc = subprocess.run(
+        [sys.executable, TESTS / "tools" / "check_links.py", out],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout
+
+
+def test_link_checker_reports_a_broken_link(tmp_path):
+    (tmp_path / "a.html").write_text('<a href="b.html">b</a> <a href="a.html#nowhere">x</a>')
+    proc = subprocess.run(
+        [sys.executable, TESTS / "tools" / "check_links.py", tmp_path],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1 and "a.html: b.html" in proc.stdout and "#nowhere" in proc.stdout
+
+
+def test_root_page_sends_readers_to_each_language(site):
+    out, _ = site
+    text = (out / "index.html").read_text(encoding="utf-8")
+    for lang in LANGUAGES:
+        assert f'href="{lang}/index.html"' in text and (out / lang / "index.html").is_file()
+    assert re.search(r"navigator\.languages", text)
