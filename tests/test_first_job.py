@@ -7,6 +7,7 @@ modules; submitting them to a scheduler is the job of the Slurm tests.
 import re
 
 import pytest
+
 from conftest import EXAMPLES, copy_example, run
 
 SBATCH = EXAMPLES / "first-job" / "check_pytorch.sbatch"

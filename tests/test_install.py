@@ -6,6 +6,7 @@ import sys
 import pytest
 import torch
 import yaml
+
 from conftest import EXAMPLES, TESTS, VERSIONS, copy_example, example_env, run
 
 CHECK = EXAMPLES / "install" / "check_pytorch.py"

@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from conftest import EXAMPLES, ROOT, SOURCE, TESTS, require_command
 
 PAGES = sorted(SOURCE.rglob("*.md"))

@@ -9,6 +9,7 @@ import time
 from html.parser import HTMLParser
 
 import pytest
+
 from conftest import LANGUAGES, ROOT, SOURCE, TESTS, TRANSLATIONS, VERSIONS, require_command
 
 pytestmark = pytest.mark.xdist_group("site")

