@@ -14,9 +14,8 @@ SPHINXOPTS   ?=
 JOBS         ?= auto
 STRICT       := -W --keep-going -j $(JOBS)
 BUILDDIR     := _build
-# Caches that make repeated runs fast (pip downloads, compiled ops); CI keeps this folder.
+# Caches for compiled ops, so repeated runs skip the compile; CI may keep this folder.
 CACHE        ?= $(CURDIR)/.cache
-export PIP_CACHE_DIR         ?= $(CACHE)/pip
 export TORCH_EXTENSIONS_DIR  ?= $(CACHE)/torch_extensions
 export TORCHINDUCTOR_CACHE_DIR ?= $(CACHE)/inductor
 # torch is pinned as a constraint too, so no dependency can pull another (CUDA) build.
