@@ -28,7 +28,7 @@ SPHINXBUILD = $(VENV)/bin/sphinx-build
 
 .DEFAULT_GOAL := help
 .PHONY: help venv html html-all gettext update-po test test-gpu test-slurm linkcheck serve \
-        clean clean-venv system-packages node-packages
+        clean clean-venv system-packages node-packages slurm-up slurm-down
 
 help:
 	@echo "make html       build one language (SPHINXOPTS=-Dlanguage=fr for French) into $(BUILDDIR)/html/<lang>/"
@@ -37,6 +37,8 @@ help:
 	@echo "make update-po  extract, update locale/<lang>/LC_MESSAGES/*.po, normalise wrapping"
 	@echo "make test       the CPU test suite (examples, pages, translations, search)"
 	@echo "make test-gpu   the GPU tests (uses the active python if it has torch)"
+	@echo "make test-slurm only the tests that submit job scripts to the tests' Slurm cluster (root)"
+	@echo "make slurm-up   start that cluster by hand (root); make slurm-down stops it"
 	@echo "make linkcheck  check every internal link of the built site"
 	@echo "make serve      live preview on http://127.0.0.1:8000"
 	@echo "make clean      remove $(BUILDDIR)/ ; make clean-venv removes $(VENV)/"
@@ -90,9 +92,21 @@ test: venv system-packages node-packages
 # torch (and pytest), else the venv.
 test-gpu:
 	@py=$$(command -v python3); \
-	if ! $$py -c 'import torch, pytest' 2>/dev/null; then $(MAKE) venv && py=$(VPY); fi; \
+	if ! $$py -c 'import torch, pytest' 2>/dev/null; then make --no-print-directory venv && py=$(VPY); fi; \
 	echo ">>> Running the GPU tests with $$py"; \
 	$$py -m pytest -m gpu -p no:cacheprovider $(PYTEST_ARGS)
+
+# Only the job scripts under the tests' real Slurm cluster (needs root: it starts the daemons).
+test-slurm: venv system-packages
+	@echo ">>> Running the Slurm tests"
+	$(VPY) -m pytest -m slurm $(PYTEST_ARGS)
+
+# The same two-node cluster for a person: sbatch, squeue, sinfo after `export SLURM_CONF=...`.
+SLURM_RUN ?= /tmp/pytorch-on-hpc-slurm
+slurm-up: system-packages
+	bash tests/slurm/cluster.sh up $(SLURM_RUN)
+slurm-down:
+	bash tests/slurm/cluster.sh down $(SLURM_RUN)
 
 linkcheck: venv
 	@echo ">>> Checking the internal links of $(BUILDDIR)/html (build it first with make html-all)"

@@ -2,8 +2,11 @@
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 import tomllib
 from pathlib import Path
 
@@ -41,6 +44,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+    # Longest files first, so that pytest-xdist starts them at once: the Slurm tests wait about
+    # a minute for a job to overrun its time limit, the venv tests install PyTorch twice.
+    first = {"test_slurm.py": 0, "test_install_venv.py": 1}
+    items.sort(key=lambda item: first.get(item.path.name, 2))
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -121,3 +128,47 @@ def copy_example(tmp_path, *names):
 def require_command(name, how):
     if shutil.which(name) is None:
         pytest.skip(f"{name} is not installed: {how}")
+
+
+def _free_port_block(count=3):
+    """A first port such that it and the next count-1 are free (for slurmctld and the nodes)."""
+    for base in range(20000, 30000, 10):
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free ports for the Slurm cluster")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    """The tests' Slurm cluster (tests/slurm/cluster.sh): started once, stopped at the end.
+
+    Returns (SLURM_CONF path, seconds it took to start). The Slurm tests live in one file, and
+    pytest-xdist runs a file's tests on one worker (--dist loadfile): one cluster.
+    """
+    if os.geteuid() != 0:
+        pytest.skip("the Slurm tests need root to install and start slurmctld/slurmd; CI runs them")
+    # Outside pytest's private tmp folders: the munge user must be able to reach its socket.
+    run_dir = Path(tempfile.mkdtemp(prefix="pytorch-on-hpc-slurm-"))
+    run_dir.chmod(0o755)
+    env = {**os.environ, "SLURM_TEST_PORT": str(_free_port_block())}
+    script = TESTS / "slurm" / "cluster.sh"
+    start = time.perf_counter()
+    proc = subprocess.run(
+        ["bash", script, "up", run_dir], env=env, capture_output=True, text=True, check=False
+    )
+    seconds = time.perf_counter() - start
+    try:
+        if proc.returncode != 0:
+            logs = "".join(
+                f"--- {log.name} ---\n{log.read_text()[-2000:]}" for log in run_dir.rglob("*.log")
+            )
+            pytest.fail(f"the Slurm cluster did not start:\n{proc.stdout}{proc.stderr}{logs}")
+        yield run_dir / "etc" / "slurm.conf", seconds
+    finally:
+        subprocess.run(["bash", script, "down", run_dir], env=env, capture_output=True, check=False)
+        shutil.rmtree(run_dir, ignore_errors=True)

@@ -12,8 +12,6 @@ import pytest
 
 from conftest import LANGUAGES, ROOT, SOURCE, TESTS, TRANSLATIONS, VERSIONS, require_command
 
-pytestmark = pytest.mark.xdist_group("site")
-
 PAGES = sorted(str(p.relative_to(SOURCE).with_suffix("")) for p in SOURCE.rglob("*.md"))
 # Tab labels that are names, the same in every language. Any other label must be translated.
 NEUTRAL_TAB_LABELS = {"Slurm", "Grid Engine", "PBS", "venv", "conda", "Apptainer", "Lmod"}

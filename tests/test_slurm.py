@@ -1,0 +1,165 @@
+"""Every Slurm job script in examples/, submitted with sbatch to a real Slurm cluster.
+
+The cluster (tests/slurm/) has two nodes, n1 and n2, with 4 CPUs, 16 GB and two fake GPUs
+each; it is started once for these tests and stopped at the end. Run only these tests with
+`make test-slurm`.
+"""
+
+import os
+import re
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from conftest import EXAMPLES, copy_example, run
+
+pytestmark = pytest.mark.slurm
+
+
+@dataclass(frozen=True)
+class Job:
+    """How a job script is tested: the files it needs beside it, options, expected output."""
+
+    files: tuple = ()
+    args: tuple = ()
+    expect: tuple = ()
+
+
+# One entry per Slurm job script in examples/ (a test fails when one is missing).
+JOBS = {
+    "first-job/check_pytorch.sbatch": Job(
+        files=("install/check_pytorch.py",),
+        args=("--size", "64"),
+        expect=(
+            "CUDA_VISIBLE_DEVICES=0",
+            "CPU threads:     4 (from SLURM_CPUS_PER_TASK)",
+            "GPUs requested:  SLURM_JOB_GPUS=0",
+            "Test product:    64x64 on cpu",
+            "Result: PyTorch",
+        ),
+    ),
+}
+SBATCH_SCRIPTS = sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*.sbatch"))
+FINISHED = {"COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "OUT_OF_MEMORY", "NODE_FAIL"}
+
+
+def job_info(job_id, env):
+    out = run(["scontrol", "show", "job", "--oneliner", job_id], cwd="/", env=env).stdout
+    return dict(field.split("=", 1) for field in out.split() if "=" in field)
+
+
+def wait_for(job_id, env, timeout=60):
+    """Poll until the job has finished; return scontrol's fields and the job's output."""
+    deadline = time.monotonic() + timeout
+    while (info := job_info(job_id, env))["JobState"] not in FINISHED:
+        if time.monotonic() > deadline:
+            pytest.fail(f"job {job_id} still {info['JobState']} after {timeout} s", pytrace=False)
+        time.sleep(0.2)
+    with open(info["StdOut"], encoding="utf-8") as output:
+        info["output"] = output.read()
+    return info
+
+
+def sbatch(*args, cwd, env):
+    return run(["sbatch", "--parsable", *args], cwd=cwd, env=env).stdout.strip().split(";")[0]
+
+
+@pytest.fixture(scope="module")
+def cluster(slurm_cluster, tmp_path_factory):
+    """Environment for Slurm commands; also submits, at once, a job that overruns its time
+    limit (Slurm checks limits about once a minute), so that it ends while the others run."""
+    conf, seconds = slurm_cluster
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    folder = tmp_path_factory.mktemp("overdue")
+    overdue = sbatch(
+        "--job-name=overdue", "--time=00:01:00", "--mem=100M", "--output=%x-%j.out",
+        "--wrap", "echo started; sleep 600", cwd=folder, env=env,
+    )  # fmt: skip
+    return {"env": env, "start_seconds": seconds, "overdue": overdue}
+
+
+def job_env_for(cluster, job_env):
+    return {**job_env, "SLURM_CONF": cluster["env"]["SLURM_CONF"]}
+
+
+def test_cluster_has_two_idle_nodes_with_gpus(cluster, record_property):
+    record_property("timing", f"Slurm cluster start: {cluster['start_seconds']:.1f} s")
+    out = run(
+        ["sinfo", "--noheader", "--Node", "--format=%N %c %m %G"], cwd="/", env=cluster["env"]
+    )
+    nodes = sorted(set(out.stdout.splitlines()))
+    assert nodes == ["n1 4 16000 gpu:2", "n2 4 16000 gpu:2"]
+
+
+def test_every_slurm_job_script_has_a_test():
+    assert sorted(JOBS) == SBATCH_SCRIPTS, "add the new job script to JOBS in tests/test_slurm.py"
+
+
+@pytest.mark.parametrize("script", SBATCH_SCRIPTS)
+def test_job_script_completes_under_slurm(cluster, job_env, tmp_path, script, record_property):
+    job = JOBS[script]
+    copy_example(tmp_path, script, *job.files)
+    env = job_env_for(cluster, job_env)
+    start = time.perf_counter()
+    job_id = sbatch(script.split("/")[-1], *job.args, cwd=tmp_path, env=env)
+    info = wait_for(job_id, env)
+    record_property("timing", f"Slurm job {script}: {time.perf_counter() - start:.1f} s")
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), info["output"]
+    assert f"Job {job_id} on " in info["output"]
+    for line in job.expect:
+        assert line in info["output"], info["output"]
+    nodes = re.search(r"^#SBATCH --nodes=(\d+)", (EXAMPLES / script).read_text(), re.M)
+    if nodes and int(nodes[1]) > 1:  # a multi-node script must really use every node
+        for node in ("n1", "n2"):
+            assert node in info["output"], f"no output from {node}:\n{info['output']}"
+
+
+@pytest.mark.parametrize("script", SBATCH_SCRIPTS)
+@pytest.mark.parametrize("fault", ["wrong module", "missing file"])
+def test_a_broken_job_script_fails_under_slurm(cluster, job_env, tmp_path, script, fault):
+    job = JOBS[script]
+    copy_example(tmp_path, script, *job.files)
+    name = script.split("/")[-1]
+    if fault == "wrong module":
+        text = (tmp_path / name).read_text()
+        module = re.search(r"^module load (\S+)", text, re.M)
+        assert module, f"{script} loads no module"
+        (tmp_path / name).write_text(text.replace(module[0], module[0] + "-typo", 1))
+        message = "unknown"
+    else:
+        for extra in job.files:
+            (tmp_path / extra.split("/")[-1]).unlink()
+        message = "No such file"
+    env = job_env_for(cluster, job_env)
+    info = wait_for(sbatch(name, *job.args, cwd=tmp_path, env=env), env)
+    assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0", info["output"]
+    assert message in info["output"], info["output"]
+
+
+def test_impossible_request_is_rejected_at_submission(cluster, tmp_path):
+    proc = run(
+        ["sbatch", "--gpus-per-node=3", "--wrap", "true"],
+        cwd=tmp_path,
+        env=cluster["env"],
+        expect_rc=1,
+    )
+    assert "Requested node configuration is not available" in proc.stderr
+
+
+def test_a_two_node_step_runs_on_both_nodes(cluster, tmp_path):
+    proc = run(
+        ["srun", "--nodes=2", "--ntasks-per-node=1", "--time=1", "printenv", "SLURMD_NODENAME"],
+        cwd=tmp_path, env=cluster["env"],
+    )  # fmt: skip
+    assert sorted(proc.stdout.split()) == ["n1", "n2"]
+
+
+def test_a_job_over_its_time_limit_ends_in_timeout(cluster):
+    info = wait_for(cluster["overdue"], cluster["env"], timeout=180)
+    assert info["JobState"] == "TIMEOUT", info
+    assert "started" in info["output"]
+    assert re.search(
+        rf"\*\*\* JOB {cluster['overdue']} ON n\d CANCELLED AT \S+ DUE TO TIME LIMIT \*\*\*",
+        info["output"],
+    )
