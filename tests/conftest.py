@@ -21,6 +21,8 @@ VERSIONS = tomllib.loads((ROOT / "versions.toml").read_text(encoding="utf-8"))
 LANGUAGES = ["en", "zh_CN", "ja", "fr"]
 TRANSLATIONS = LANGUAGES[1:]
 LMOD_INIT = Path("/usr/share/lmod/lmod/init/bash")
+# The emulated site's file that defines `module` in batch jobs (tests/site/modules.sh).
+SITE_MODULES = Path("/etc/profile.d/modules.sh")
 
 # Warnings raised by the examples' own code (module __main__) are errors in the tests.
 OWN_WARNINGS_AS_ERRORS = "error:::__main__"
@@ -46,8 +48,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
     # Longest files first, so that pytest-xdist starts them at once: the Slurm tests wait about
     # a minute for a job to overrun its time limit, the venv tests install PyTorch twice.
-    first = {"test_slurm.py": 0, "test_install_venv.py": 1}
-    items.sort(key=lambda item: first.get(item.path.name, 2))
+    first = {"test_slurm.py": 0, "test_install_venv.py": 1, "test_gridengine.py": 2}
+    items.sort(key=lambda item: first.get(item.path.name, 3))
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -105,10 +107,8 @@ def job_env(tmp_path):
 
     The venv the scripts activate is the one the tests run in (VENV=sys.prefix).
     """
-    if not LMOD_INIT.exists():
-        pytest.skip(
-            "Lmod is not installed: run `make system-packages` as root (apt-get install lmod)"
-        )
+    if not LMOD_INIT.exists() or not SITE_MODULES.exists():
+        pytest.skip(f"Lmod or {SITE_MODULES} is missing: run `make system-packages` as root")
     return example_env(
         BASH_ENV=LMOD_INIT,
         MODULEPATH=TESTS / "modulefiles",
@@ -172,3 +172,25 @@ def slurm_cluster():
     finally:
         subprocess.run(["bash", script, "down", run_dir], env=env, capture_output=True, check=False)
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def gridengine_cell():
+    """The tests' Grid Engine cell (tests/gridengine/cell.sh): started once, stopped at the end.
+
+    Returns (the environment qsub needs, seconds it took to start).
+    """
+    if os.geteuid() != 0:
+        pytest.skip(
+            "the Grid Engine tests need root to install and start its daemons; CI runs them"
+        )
+    script = TESTS / "gridengine" / "cell.sh"
+    start = time.perf_counter()
+    proc = subprocess.run(["bash", script, "up"], capture_output=True, text=True, check=False)
+    seconds = time.perf_counter() - start
+    try:
+        if proc.returncode != 0:
+            pytest.fail(f"the Grid Engine cell did not start:\n{proc.stdout}{proc.stderr}")
+        yield {"SGE_ROOT": "/var/lib/gridengine", "SGE_CELL": "default"}, seconds
+    finally:
+        subprocess.run(["bash", script, "down"], capture_output=True, check=False)

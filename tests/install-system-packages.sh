@@ -1,8 +1,10 @@
 #!/bin/bash
 # Install the system tools the tests use (Debian/Ubuntu, as root): gettext (msgfmt),
-# Lmod (environment modules for the job scripts), Node.js (search index and
-# workflow linting), g++ (torch.compile) and cmake. Does nothing when all are present.
-# Without root it lists what is missing; the tests that need it then skip, saying why.
+# ShellCheck, Lmod (environment modules for the job scripts) and the site file that defines
+# `module` in batch jobs (/etc/profile.d/modules.sh), Node.js (search index and workflow
+# linting), g++ and cmake. Does nothing when all are present. Without root it lists what is
+# missing; the tests that need it then skip, saying why. The Slurm and Grid Engine daemons
+# are installed by tests/slurm/cluster.sh and tests/gridengine/cell.sh when the tests start them.
 set -euo pipefail
 need=()
 command -v msgfmt >/dev/null || need+=(gettext)
@@ -12,7 +14,15 @@ command -v node >/dev/null || need+=(nodejs)
 command -v npm >/dev/null || need+=(npm)
 command -v g++ >/dev/null || need+=(g++)
 command -v cmake >/dev/null || need+=(cmake)
+site_modules=/etc/profile.d/modules.sh
+install_site_modules() {
+    if [[ ! -f $site_modules && $(id -u) -eq 0 ]]; then
+        cp "$(dirname "${BASH_SOURCE[0]}")/site/modules.sh" "$site_modules"
+        echo "Installed $site_modules (defines module in batch jobs)"
+    fi
+}
 if [[ ${#need[@]} -eq 0 ]]; then
+    install_site_modules
     echo "System packages: all present."
     exit 0
 fi
@@ -25,3 +35,4 @@ echo "Installing system packages: ${need[*]}"
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
 apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+install_site_modules

@@ -1,0 +1,107 @@
+"""Every Grid Engine job script in examples/, submitted with qsub to a real one-host cell.
+
+The cell (tests/gridengine/cell.sh, Debian's gridengine packages) has one queue, all.q, with
+4 slots, the parallel environment smp and a consumable gpu resource; it is started once for
+these tests and stopped at the end.
+"""
+
+import os
+import re
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from conftest import EXAMPLES, copy_example, run
+
+pytestmark = pytest.mark.gridengine
+
+
+@dataclass(frozen=True)
+class Job:
+    """How a job script is tested: the files it needs beside it, options, expected output."""
+
+    files: tuple = ()
+    args: tuple = ()
+    expect: tuple = ()
+
+
+# One entry per Grid Engine job script in examples/ (a test fails when one is missing).
+JOBS = {
+    "first-job/check_pytorch.qsub": Job(
+        files=("install/check_pytorch.py",),
+        args=("--size", "64"),
+        expect=(
+            "CPU threads:     4 (from NSLOTS)",
+            "Test product:    64x64 on cpu",
+            "Result: PyTorch",
+        ),
+    ),
+}
+QSUB_SCRIPTS = sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*.qsub"))
+
+
+def qsub(script, *args, cwd, env):
+    """Submit with the test's MODULEPATH and VENV (a reader's login environment has them)."""
+    variables = ",".join(f"{name}={env[name]}" for name in ("MODULEPATH", "VENV"))
+    return run(["qsub", "-terse", "-v", variables, script, *args], cwd=cwd, env=env).stdout.strip()
+
+
+def wait_for(job_id, env, timeout=60):
+    """Poll until the job has left the queue and is in the accounting file; return its record."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        proc = run(["qacct", "-j", job_id], cwd="/", env=env, expect_rc=None)
+        if proc.returncode == 0:
+            return dict(re.findall(r"^(\w+)\s+(.*?)\s*$", proc.stdout, re.M))
+        time.sleep(0.3)
+    pytest.fail(f"Grid Engine job {job_id} did not finish within {timeout} s", pytrace=False)
+
+
+@pytest.fixture
+def cell_env(gridengine_cell, job_env):
+    return {**job_env, **gridengine_cell[0]}
+
+
+def test_every_grid_engine_job_script_has_a_test():
+    assert sorted(JOBS) == QSUB_SCRIPTS, (
+        "add the new job script to JOBS in tests/test_gridengine.py"
+    )
+
+
+def test_cell_has_a_queue_with_slots_and_gpus(gridengine_cell, record_property):
+    env, seconds = gridengine_cell
+    record_property("timing", f"Grid Engine cell start: {seconds:.1f} s")
+    out = run(["qstat", "-f", "-F", "gpu"], cwd="/", env={**os.environ, **env}).stdout
+    assert re.search(r"^all\.q@\S+\s+BIP\s+0/0/4", out, re.M), out
+    assert "hc:gpu=2" in out
+
+
+@pytest.mark.parametrize("script", QSUB_SCRIPTS)
+def test_job_script_completes_under_grid_engine(cell_env, tmp_path, script, record_property):
+    job = JOBS[script]
+    copy_example(tmp_path, script, *job.files)
+    start = time.perf_counter()
+    job_id = qsub(script.split("/")[-1], *job.args, cwd=tmp_path, env=cell_env)
+    record = wait_for(job_id, cell_env)
+    record_property("timing", f"Grid Engine job {script}: {time.perf_counter() - start:.1f} s")
+    output = next(tmp_path.glob(f"*.o{job_id}")).read_text()
+    assert (record["failed"], record["exit_status"]) == ("0", "0"), output
+    assert f"Job {job_id} on " in output
+    for line in job.expect:
+        assert line in output, output
+
+
+@pytest.mark.parametrize("script", QSUB_SCRIPTS)
+def test_a_broken_job_script_fails_under_grid_engine(cell_env, tmp_path, script):
+    job = JOBS[script]
+    copy_example(tmp_path, script, *job.files)
+    name = script.split("/")[-1]
+    text = (tmp_path / name).read_text()
+    module = re.search(r"^module load (\S+)", text, re.M)
+    (tmp_path / name).write_text(text.replace(module[0], module[0] + "-typo", 1))
+    job_id = qsub(name, *job.args, cwd=tmp_path, env=cell_env)
+    record = wait_for(job_id, cell_env)
+    output = next(tmp_path.glob(f"*.o{job_id}")).read_text()
+    assert record["exit_status"] != "0", output
+    assert "unknown" in output and "Result: PyTorch" not in output, output
