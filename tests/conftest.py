@@ -131,8 +131,10 @@ def require_command(name, how):
 
 
 def _free_port_block(count=3):
-    """A first port such that it and the next count-1 are free (for slurmctld and the nodes)."""
-    for base in range(20000, 30000, 10):
+    """A first port such that it and the next count-1 are free (for slurmctld and the nodes).
+
+    Below 15000-24999, where job scripts derive their rendezvous ports from the job id."""
+    for base in range(7000, 9000, 10):
         try:
             for port in range(base, base + count):
                 with socket.socket() as sock:

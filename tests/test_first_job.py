@@ -5,10 +5,13 @@ modules; submitting them to a scheduler is the job of the Slurm tests.
 """
 
 import re
+import socket
+import sys
+import time
 
 import pytest
 
-from conftest import EXAMPLES, copy_example, run
+from conftest import EXAMPLES, copy_example, example_env, run
 
 SBATCH = EXAMPLES / "first-job" / "check_pytorch.sbatch"
 QSUB = EXAMPLES / "first-job" / "check_pytorch.qsub"
@@ -85,3 +88,55 @@ def test_job_script_on_the_gpu(tmp_path, job_env, script):
         ["bash", script, "--device", "cuda"], cwd=tmp_path, env={**job_env, **SCHEDULERS[script]}
     ).stdout
     assert "works on cuda" in out and "WARNING" not in out
+
+
+DISTRIBUTED = EXAMPLES / "first-job" / "check_distributed.py"
+
+
+def test_check_distributed_with_two_processes(tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    out = run([*torchrun, DISTRIBUTED, "--device", "cpu"], cwd=tmp_path).stdout
+    assert "rank 0/2 on " in out and "rank 1/2 on " in out
+    assert "All 2 processes on 1 node(s)" in out and "sum 3 as expected" in out
+
+
+@pytest.mark.parametrize(
+    ("variables", "message"),
+    [
+        ({}, "SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, MASTER_ADDR, MASTER_PORT not set"),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "MASTER_ADDR": "n1"},
+         "MASTER_PORT not set"),
+        ({"RANK": "2", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+          "MASTER_PORT": "15999"}, "rank 2 is outside the world size 2"),
+    ],
+)  # fmt: skip
+def test_check_distributed_names_what_is_missing(tmp_path, variables, message):
+    proc = run(
+        [sys.executable, DISTRIBUTED], cwd=tmp_path, env=example_env(**variables), expect_rc=2
+    )
+    assert message in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
+def test_check_distributed_stops_when_the_others_never_come(tmp_path):
+    """World size 2, one process: a clear message after --timeout, not a hang."""
+    env = example_env(
+        RANK=0, WORLD_SIZE=2, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1", MASTER_PORT=_free_port()
+    )
+    start = time.monotonic()
+    proc = run([sys.executable, DISTRIBUTED, "--timeout", "3"], cwd=tmp_path, env=env, expect_rc=2)
+    assert time.monotonic() - start < 30
+    assert "rank 0 could not join the 2 processes at 127.0.0.1:" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.gpu
+def test_check_distributed_on_the_gpu(tmp_path):
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1"]
+    out = run([*torchrun, DISTRIBUTED, "--device", "cuda"], cwd=tmp_path).stdout
+    assert "cuda:0 (nccl)" in out and "sum 1 as expected" in out
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

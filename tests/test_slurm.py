@@ -1,6 +1,6 @@
 """Every Slurm job script in examples/, submitted with sbatch to a real Slurm cluster.
 
-The cluster (tests/slurm/) has two nodes, n1 and n2, with 4 CPUs, 16 GB and two fake GPUs
+The cluster (tests/slurm/) has two nodes, n1 and n2, with 8 CPUs, 32 GB and two fake GPUs
 each; it is started once for these tests and stopped at the end. Run only these tests with
 `make test-slurm`.
 """
@@ -32,11 +32,21 @@ JOBS = {
         files=("install/check_pytorch.py",),
         args=("--size", "64"),
         expect=(
+            "Job {job_id} on ",
             "CUDA_VISIBLE_DEVICES=0",
             "CPU threads:     4 (from SLURM_CPUS_PER_TASK)",
             "GPUs requested:  SLURM_JOB_GPUS=0",
             "Test product:    64x64 on cpu",
             "Result: PyTorch",
+        ),
+    ),
+    "first-job/check_distributed.sbatch": Job(
+        files=("first-job/check_distributed.py",),
+        expect=(
+            "Job {job_id}: 4 processes on n[1-2], rendezvous at n1:",
+            "rank 0/4 on n1, cpu (gloo): sum 10",
+            "rank 3/4 on n2, cpu (gloo): sum 10",
+            "All 4 processes on 2 node(s) (n1, n2) reached each other",
         ),
     ),
 }
@@ -54,7 +64,11 @@ def wait_for(job_id, env, timeout=60):
     deadline = time.monotonic() + timeout
     while (info := job_info(job_id, env))["JobState"] not in FINISHED:
         if time.monotonic() > deadline:
-            pytest.fail(f"job {job_id} still {info['JobState']} after {timeout} s", pytrace=False)
+            output = open(info["StdOut"]).read() if os.path.exists(info["StdOut"]) else ""  # noqa: SIM115
+            pytest.fail(
+                f"job {job_id} still {info['JobState']} after {timeout} s\n{info}\n{output}",
+                pytrace=False,
+            )
         time.sleep(0.2)
     with open(info["StdOut"], encoding="utf-8") as output:
         info["output"] = output.read()
@@ -89,7 +103,7 @@ def test_cluster_has_two_idle_nodes_with_gpus(cluster, record_property):
         ["sinfo", "--noheader", "--Node", "--format=%N %c %m %G"], cwd="/", env=cluster["env"]
     )
     nodes = sorted(set(out.stdout.splitlines()))
-    assert nodes == ["n1 4 16000 gpu:2", "n2 4 16000 gpu:2"]
+    assert nodes == ["n1 8 32000 gpu:2", "n2 8 32000 gpu:2"]
 
 
 def test_every_slurm_job_script_has_a_test():
@@ -106,9 +120,8 @@ def test_job_script_completes_under_slurm(cluster, job_env, tmp_path, script, re
     info = wait_for(job_id, env)
     record_property("timing", f"Slurm job {script}: {time.perf_counter() - start:.1f} s")
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), info["output"]
-    assert f"Job {job_id} on " in info["output"]
     for line in job.expect:
-        assert line in info["output"], info["output"]
+        assert line.format(job_id=job_id) in info["output"], info["output"]
     nodes = re.search(r"^#SBATCH --nodes=(\d+)", (EXAMPLES / script).read_text(), re.M)
     if nodes and int(nodes[1]) > 1:  # a multi-node script must really use every node
         for node in ("n1", "n2"):
@@ -163,3 +176,25 @@ def test_a_job_over_its_time_limit_ends_in_timeout(cluster):
         rf"\*\*\* JOB {cluster['overdue']} ON n\d CANCELLED AT \S+ DUE TO TIME LIMIT \*\*\*",
         info["output"],
     )
+
+
+# Scripts that start a distributed job: they must choose their port per job.
+DISTRIBUTED = [s for s in SBATCH_SCRIPTS if "MASTER_PORT" in (EXAMPLES / s).read_text()]
+
+
+@pytest.mark.parametrize("script", DISTRIBUTED)
+def test_two_copies_of_a_distributed_job_share_a_node(cluster, job_env, tmp_path, script):
+    """Both copies run on n1 at the same time; with a fixed port the second would fail with
+    "Address already in use"."""
+    job = JOBS[script]
+    copy_example(tmp_path, script, *job.files)
+    env = job_env_for(cluster, job_env)
+    one_node = ["--nodelist=n1", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
+                "--gpus-per-node=1", "--mem=8G"]  # fmt: skip
+    ids = [sbatch(*one_node, script.split("/")[-1], *job.args, cwd=tmp_path, env=env) for _ in "ab"]
+    first, second = (wait_for(job_id, env) for job_id in ids)
+    for info in (first, second):
+        assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), info["output"]
+    assert first["StartTime"] <= second["EndTime"] and second["StartTime"] <= first["EndTime"]
+    ports = {re.search(r"rendezvous at \S+:(\d+)", info["output"])[1] for info in (first, second)}
+    assert len(ports) == 2

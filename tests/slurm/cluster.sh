@@ -69,6 +69,9 @@ up() {
     cp "$run/munge/munged.pid" "$run/munged.pid"
     wait_for 10 "munge" bash -c "munge -n -S '$run/munge/munge.socket' | unmunge -S '$run/munge/munge.socket'"
 
+    # Node names resolve on a real cluster (jobs use them as MASTER_ADDR): here both are this machine.
+    grep -qE '^127\.0\.0\.1[[:space:]].*\bn1 n2\b' /etc/hosts || echo "127.0.0.1 n1 n2" >> /etc/hosts
+
     sed -e "s|@RUN@|$run|g" -e "s|@CTLD_PORT@|$port|g" \
         -e "s|@N1_PORT@|$((port + 1))|g" -e "s|@N2_PORT@|$((port + 2))|g" \
         "$here/slurm.conf.in" > "$run/etc/slurm.conf"
@@ -79,7 +82,7 @@ up() {
     slurmd -N n1
     slurmd -N n2
     wait_for 30 "both nodes idle" nodes_idle
-    echo "Slurm cluster up in ${SECONDS} s: nodes n1 and n2 (4 CPUs, 16 GB, 2 GPUs each)"
+    echo "Slurm cluster up in ${SECONDS} s: nodes n1 and n2 (8 CPUs, 32 GB, 2 GPUs each)"
     echo "export SLURM_CONF=$SLURM_CONF"
 }
 

@@ -1,0 +1,117 @@
+"""Check that every process of a multi-node job can reach the others through torch.distributed.
+
+Each process joins one process group (NCCL on GPUs, gloo on CPUs), adds up its rank + 1
+with all the others (all_reduce) and reports where it runs. Run it before a long
+distributed training to find network, port and GPU-binding problems in seconds.
+
+Under Slurm, one process per task (ranks from SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID;
+MASTER_ADDR and MASTER_PORT from the job script):
+
+    sbatch check_distributed.sbatch
+
+Anywhere, with torchrun (it sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT):
+
+    torchrun --standalone --nproc-per-node=2 check_distributed.py
+"""
+
+import argparse
+import datetime
+import os
+import socket
+import sys
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument(
+        "--timeout", type=float, default=60, help="seconds to wait for the other processes"
+    )
+    return parser.parse_args(argv)
+
+
+def fail(message):
+    print(f"check_distributed.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def distributed_environment():
+    """rank, world size, local rank, address and port, from torchrun's or Slurm's variables."""
+    if "RANK" in os.environ:  # torchrun
+        names = {"rank": "RANK", "world_size": "WORLD_SIZE", "local_rank": "LOCAL_RANK"}
+    else:  # srun: one task per process
+        names = {"rank": "SLURM_PROCID", "world_size": "SLURM_NTASKS"}
+        names["local_rank"] = "SLURM_LOCALID"
+    names.update(addr="MASTER_ADDR", port="MASTER_PORT")
+    missing = [variable for variable in names.values() if not os.environ.get(variable)]
+    if missing:
+        fail(
+            f"{', '.join(missing)} not set: start this script with srun from a job script that "
+            "exports MASTER_ADDR and MASTER_PORT, or with torchrun"
+        )
+    env = {key: os.environ[variable] for key, variable in names.items()}
+    try:
+        for key in ("rank", "world_size", "local_rank", "port"):
+            env[key] = int(env[key])
+    except ValueError as error:
+        fail(f"a distributed variable is not a number: {error}")
+    if not 0 <= env["rank"] < env["world_size"]:
+        fail(f"rank {env['rank']} is outside the world size {env['world_size']}")
+    return env
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    env = distributed_environment()
+    import torch
+    import torch.distributed as dist
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda was given but no GPU is visible; request GPUs with --gpus-per-node")
+    use_cuda = args.device != "cpu" and torch.cuda.is_available()
+    if use_cuda:
+        device = torch.device("cuda", env["local_rank"] % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    backend = "nccl" if use_cuda else "gloo"
+
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{env['addr']}:{env['port']}",
+            rank=env["rank"],
+            world_size=env["world_size"],
+            timeout=datetime.timedelta(seconds=args.timeout),
+            device_id=device if use_cuda else None,
+        )
+    except (RuntimeError, OSError) as error:  # DistNetworkError and timeouts are RuntimeErrors
+        reason = str(error).strip().splitlines()[0]
+        fail(
+            f"rank {env['rank']} could not join the {env['world_size']} processes at "
+            f"{env['addr']}:{env['port']} within {args.timeout:g} s: {reason}"
+        )
+
+    node = os.environ.get("SLURMD_NODENAME", socket.gethostname())
+    total = torch.tensor([env["rank"] + 1.0], device=device)
+    dist.all_reduce(total)
+    expected = env["world_size"] * (env["world_size"] + 1) / 2
+    where = f"rank {env['rank']}/{env['world_size']} on {node}, {device} ({backend})"
+    print(f"{where}: sum {total.item():g}")
+    nodes = [None] * env["world_size"]
+    dist.all_gather_object(nodes, node)
+    dist.destroy_process_group()
+    if total.item() != expected:
+        fail(f"all_reduce gave {total.item():g}, expected {expected:g}")
+    if env["rank"] == 0:
+        print(
+            f"All {env['world_size']} processes on {len(set(nodes))} node(s) "
+            f"({', '.join(sorted(set(nodes)))}) reached each other: sum {expected:g} as expected"
+        )
+
+
+if __name__ == "__main__":
+    main()
