@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import EXAMPLES, copy_example, example_env, run
+from conftest import EXAMPLES, SOURCE, copy_example, example_env, run
 
 SBATCH = EXAMPLES / "first-job" / "check_pytorch.sbatch"
 QSUB = EXAMPLES / "first-job" / "check_pytorch.qsub"
@@ -93,11 +93,24 @@ def test_job_script_on_the_gpu(tmp_path, job_env, script):
 DISTRIBUTED = EXAMPLES / "first-job" / "check_distributed.py"
 
 
+# The lines check_distributed.sbatch and .py print; the page shows a sample of them.
+DISTRIBUTED_LINES = [
+    r"Job \d+: \d+ processes on \S+, rendezvous at \S+:\d+",
+    r"rank \d+/\d+ on \S+, (cpu|cuda:\d+) \((gloo|nccl)\): sum \d+",
+    r"All \d+ processes on \d+ node\(s\) \(.+\) reached each other: sum \d+ as expected",
+]
+
+
 def test_check_distributed_with_two_processes(tmp_path):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     out = run([*torchrun, DISTRIBUTED, "--device", "cpu"], cwd=tmp_path).stdout
     assert "rank 0/2 on " in out and "rank 1/2 on " in out
     assert "All 2 processes on 1 node(s)" in out and "sum 3 as expected" in out
+    # The sample output on the page has the format the script really prints.
+    page = (SOURCE / "getting-started" / "first-job.md").read_text()
+    sample = re.search(r"one line per process.*?```text\n(.*?)```", page, re.S)[1]
+    for line in out.splitlines() + sample.splitlines():
+        assert any(re.fullmatch(pattern, line) for pattern in DISTRIBUTED_LINES), line
 
 
 @pytest.mark.parametrize(

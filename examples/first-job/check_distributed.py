@@ -100,7 +100,8 @@ def main(argv=None):
     dist.all_reduce(total)
     expected = env["world_size"] * (env["world_size"] + 1) / 2
     where = f"rank {env['rank']}/{env['world_size']} on {node}, {device} ({backend})"
-    print(f"{where}: sum {total.item():g}")
+    sys.stdout.write(f"{where}: sum {total.item():g}\n")  # one write: lines of ranks never mix
+    sys.stdout.flush()
     nodes = [None] * env["world_size"]
     dist.all_gather_object(nodes, node)
     dist.destroy_process_group()
