@@ -8,6 +8,7 @@ import sys
 import tempfile
 import time
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -116,6 +117,16 @@ def job_env(tmp_path):
         VENV=sys.prefix,
         HOME=tmp_path,
     )
+
+
+@dataclass(frozen=True)
+class Job:
+    """How a scheduler test runs a job script: the example files it needs beside it, the
+    options it passes through to the Python script, the lines its output must contain."""
+
+    files: tuple = ()
+    args: tuple = ()
+    expect: tuple = ()
 
 
 def copy_example(tmp_path, *names):

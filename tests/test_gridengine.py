@@ -8,22 +8,12 @@ these tests and stopped at the end.
 import os
 import re
 import time
-from dataclasses import dataclass
 
 import pytest
 
-from conftest import EXAMPLES, copy_example, run
+from conftest import EXAMPLES, Job, copy_example, run
 
 pytestmark = pytest.mark.gridengine
-
-
-@dataclass(frozen=True)
-class Job:
-    """How a job script is tested: the files it needs beside it, options, expected output."""
-
-    files: tuple = ()
-    args: tuple = ()
-    expect: tuple = ()
 
 
 # One entry per Grid Engine job script in examples/ (a test fails when one is missing).

@@ -97,7 +97,11 @@ def test_shell_script_parses_and_passes_shellcheck(script):
     subprocess.run(["bash", "-n", script], check=True)
     require_command("shellcheck", "run `make system-packages` as root (apt-get install shellcheck)")
     proc = subprocess.run(
-        ["shellcheck", "--shell=bash", script], capture_output=True, text=True, check=False
+        ["shellcheck", "--shell=bash", "--external-sources", script],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert proc.returncode == 0, proc.stdout
 

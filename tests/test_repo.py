@@ -72,3 +72,18 @@ def test_workflows_pass_actionlint():
         in (ROOT / ".github" / "workflows" / "gpu.yml").read_text()
     )
     assert "make test-gpu" in (ROOT / ".github" / "workflows" / "gpu.yml").read_text()
+
+
+MODULEFILES = sorted(
+    str(p.relative_to(TESTS / "modulefiles").with_suffix(""))
+    for p in (TESTS / "modulefiles").rglob("*.lua")
+)
+
+
+@pytest.mark.parametrize("module", MODULEFILES)
+def test_every_modulefile_of_the_test_site_loads(module, job_env):
+    proc = subprocess.run(
+        ["bash", "-c", f"set -euo pipefail; module load {module}; module --terse list"],
+        env=job_env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0 and module in proc.stdout + proc.stderr, proc.stderr

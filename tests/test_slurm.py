@@ -8,22 +8,12 @@ each; it is started once for these tests and stopped at the end. Run only these 
 import os
 import re
 import time
-from dataclasses import dataclass
 
 import pytest
 
-from conftest import EXAMPLES, copy_example, run
+from conftest import EXAMPLES, Job, copy_example, run
 
 pytestmark = pytest.mark.slurm
-
-
-@dataclass(frozen=True)
-class Job:
-    """How a job script is tested: the files it needs beside it, options, expected output."""
-
-    files: tuple = ()
-    args: tuple = ()
-    expect: tuple = ()
 
 
 # One entry per Slurm job script in examples/ (a test fails when one is missing).

@@ -12,24 +12,10 @@ set -euo pipefail
 export SGE_ROOT=/var/lib/gridengine SGE_CELL=default
 host=$(hostname)
 common=$SGE_ROOT/$SGE_CELL/common
+LOGS="/var/spool/gridengine/*/messages"
 SECONDS=0
-
-die() { echo "cell.sh: error: $*" >&2; exit 1; }
-
-install_packages() {
-    command -v qsub >/dev/null && [[ -f $common/bootstrap ]] && return
-    echo "Installing gridengine-master, gridengine-exec, gridengine-client"
-    debconf-set-selections <<EOF
-gridengine-common shared/gridengineconfig boolean true
-gridengine-common shared/gridenginecell string $SGE_CELL
-gridengine-common shared/gridenginesqmaster string $host
-gridengine-master shared/gridengineconfig boolean true
-gridengine-client shared/gridengineconfig boolean true
-gridengine-exec shared/gridengineconfig boolean true
-EOF
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-        gridengine-master gridengine-exec gridengine-client >/dev/null
-}
+# shellcheck source=tests/daemons.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../daemons.sh"
 
 edit() {  # edit "qconf -mconf" SED-EXPRESSIONS...: change a configuration through qconf's editor
     local command=$1 editor
@@ -40,27 +26,6 @@ edit() {  # edit "qconf -mconf" SED-EXPRESSIONS...: change a configuration throu
     chmod +x "$editor"
     EDITOR=$editor $command >/dev/null 2>&1
     rm -f "$editor"
-}
-
-wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
-    local limit=$1 what=$2
-    shift 2
-    for _ in $(seq $((limit * 10))); do
-        if "$@" >/dev/null 2>&1; then return 0; fi
-        sleep 0.1
-    done
-    die "$what did not happen within ${limit} s (see /var/spool/gridengine/*/messages)"
-}
-
-stop_pid_file() {
-    local file=$1 pid
-    [[ -f "$file" ]] || return 0
-    pid=$(cat "$file")
-    if [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null; then
-        kill -TERM "$pid"
-        for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-        if kill -0 "$pid" 2>/dev/null; then kill -KILL "$pid"; fi
-    fi
 }
 
 up() {

@@ -15,41 +15,10 @@ run=${2:-/tmp/pytorch-on-hpc-slurm}
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 port=${SLURM_TEST_PORT:-16817}
 export SLURM_CONF="$run/etc/slurm.conf"
+LOGS="$run/log/"
 SECONDS=0
-
-die() { echo "cluster.sh: error: $*" >&2; exit 1; }
-
-install_packages() {
-    local need=()
-    for cmd in slurmctld slurmd sbatch munged; do
-        command -v "$cmd" >/dev/null || need=(slurmctld slurmd slurm-client munge)
-    done
-    [[ ${#need[@]} -eq 0 ]] && return
-    echo "Installing ${need[*]}"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null \
-        || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null; }
-}
-
-wait_for() {  # wait_for SECONDS DESCRIPTION COMMAND...
-    local limit=$1 what=$2; shift 2
-    for _ in $(seq $((limit * 10))); do
-        if "$@" >/dev/null 2>&1; then return 0; fi
-        sleep 0.1
-    done
-    die "$what did not happen within ${limit} s (logs: $run/log/)"
-}
-
-stop_pid_file() {  # TERM the process in a pid file, wait, KILL if it is still there
-    local file=$1 pid
-    [[ -f "$file" ]] || return 0
-    pid=$(cat "$file")
-    if [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null; then
-        kill -TERM "$pid"
-        for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-        if kill -0 "$pid" 2>/dev/null; then kill -KILL "$pid"; fi
-    fi
-    rm -f "$file"
-}
+# shellcheck source=tests/daemons.sh
+source "$here/../daemons.sh"
 
 nodes_idle() { [[ $(sinfo -h -N -o '%t' | sort -u | tr -d '\n') == idle ]]; }
 
