@@ -17,6 +17,21 @@ SECONDS=0
 # shellcheck source=tests/daemons.sh
 source "$(dirname "${BASH_SOURCE[0]}")/../daemons.sh"
 
+install_packages() {
+    command -v qsub >/dev/null && [[ -f $common/bootstrap ]] && return
+    echo "Installing gridengine-master, gridengine-exec, gridengine-client"
+    debconf-set-selections <<EOF
+gridengine-common shared/gridengineconfig boolean true
+gridengine-common shared/gridenginecell string $SGE_CELL
+gridengine-common shared/gridenginesqmaster string $host
+gridengine-master shared/gridengineconfig boolean true
+gridengine-client shared/gridengineconfig boolean true
+gridengine-exec shared/gridengineconfig boolean true
+EOF
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+        gridengine-master gridengine-exec gridengine-client >/dev/null
+}
+
 edit() {  # edit "qconf -mconf" SED-EXPRESSIONS...: change a configuration through qconf's editor
     local command=$1 editor
     shift

@@ -20,6 +20,17 @@ SECONDS=0
 # shellcheck source=tests/daemons.sh
 source "$here/../daemons.sh"
 
+install_packages() {
+    local need=()
+    for cmd in slurmctld slurmd sbatch munged; do
+        command -v "$cmd" >/dev/null || need=(slurmctld slurmd slurm-client munge)
+    done
+    [[ ${#need[@]} -eq 0 ]] && return
+    echo "Installing ${need[*]}"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null \
+        || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null; }
+}
+
 nodes_idle() { [[ $(sinfo -h -N -o '%t' | sort -u | tr -d '\n') == idle ]]; }
 
 up() {
