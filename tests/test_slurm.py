@@ -39,6 +39,11 @@ JOBS = {
             "All 4 processes on 2 node(s) (n1, n2) reached each other",
         ),
     ),
+    "precision/precision.sbatch": Job(
+        files=("precision/precision.py",),
+        args=("--size", "64", "--repeats", "2", "--train-steps", "5"),
+        expect=("Job {job_id} on ", "float32 ", "bfloat16 ", "Mixed precision (bf16), 5 steps"),
+    ),
 }
 SBATCH_SCRIPTS = sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*.sbatch"))
 FINISHED = {"COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "OUT_OF_MEMORY", "NODE_FAIL"}

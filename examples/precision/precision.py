@@ -1,0 +1,136 @@
+"""Measure the error and the speed of a matrix product in each floating-point mode.
+
+Multiplies two random square matrices in float64 (the reference), float32, TF32 (GPUs from
+Ampere on), bfloat16 and float16, and prints a table: the largest error against float64,
+relative to the largest value, and the time and speed of one product. Then it trains a small
+model for a few steps with automatic mixed precision (torch.amp) in the dtype --amp selects.
+
+    python precision.py --device cuda --size 8192
+    sbatch precision.sbatch
+"""
+
+import argparse
+import statistics
+import sys
+import time
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--size", type=int, default=4096, help="rows and columns of the matrices")
+    parser.add_argument("--repeats", type=int, default=10, help="timed products per mode")
+    parser.add_argument("--amp", choices=["bf16", "fp16", "none"], default="bf16")
+    parser.add_argument("--train-steps", type=int, default=20, help="mixed-precision steps")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def fail(message):
+    print(f"precision.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def set_tf32(torch, enabled):
+    """Allow TF32 in float32 matrix products, or not. Use one API only: reading the legacy
+    flag after setting the current one raises a RuntimeError."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):  # PyTorch 2.9 and later
+        matmul.fp32_precision = "tf32" if enabled else "ieee"
+    else:  # older releases: the legacy flag
+        matmul.allow_tf32 = enabled
+
+
+def time_product(torch, a, b, repeats):
+    """Median seconds of one product, after a warm-up, waiting for the GPU each time."""
+    sync = torch.cuda.synchronize if a.is_cuda else (lambda: None)
+    torch.mm(a, b)
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def compare_modes(torch, device, size, repeats):
+    a64 = torch.randn(size, size, dtype=torch.float64, device=device)
+    b64 = torch.randn(size, size, dtype=torch.float64, device=device)
+    reference = torch.mm(a64, b64)
+    scale = reference.abs().max().item()
+    modes = [
+        ("float64", torch.float64, False),
+        ("float32", torch.float32, False),
+        ("tf32", torch.float32, True),
+        ("bfloat16", torch.bfloat16, False),
+        ("float16", torch.float16, False),
+    ]
+    print(f"{'mode':<10}{'max error / max value':>24}{'time (ms)':>12}{'TFLOP/s':>10}")
+    for name, dtype, tf32 in modes:
+        if tf32 and device.type != "cuda":
+            print(f"{name:<10}{'(needs an NVIDIA GPU, Ampere or newer)':>46}")
+            continue
+        set_tf32(torch, tf32)
+        a, b = a64.to(dtype), b64.to(dtype)
+        error = (torch.mm(a, b).double() - reference).abs().max().item() / scale
+        seconds = time_product(torch, a, b, repeats)
+        print(
+            f"{name:<10}{error:>24.1e}{seconds * 1e3:>12.2f}{2 * size**3 / seconds / 1e12:>10.2f}"
+        )
+    set_tf32(torch, False)
+
+
+def train_with_amp(torch, device, amp, steps):
+    """A few optimizer steps of a small model, with autocast and, for float16, a GradScaler."""
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)
+    ).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": torch.float32}[amp]
+    # float16 gradients can underflow to zero: the scaler multiplies the loss before backward
+    # and divides the gradients again before the step. bfloat16 has float32's range: no scaler.
+    scaler = torch.amp.GradScaler(device.type, enabled=amp == "fp16")
+    inputs = torch.randn(512, 64, device=device)
+    targets = inputs[:, :8].sum(dim=1, keepdim=True)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        with torch.amp.autocast(device.type, dtype=dtype, enabled=amp != "none"):
+            loss = torch.nn.functional.mse_loss(model(inputs), targets)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        losses.append(loss.item())
+    return losses
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail(
+            "--device cuda was given but no GPU is visible; request one (#SBATCH --gpus-per-node=1)"
+        )
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if use_cuda else "cpu")
+    torch.manual_seed(args.seed)
+    name = torch.cuda.get_device_name(device) if use_cuda else "CPU"
+    print(f"Matrix product of {args.size}x{args.size} on {name}, PyTorch {torch.__version__}")
+    compare_modes(torch, device, args.size, args.repeats)
+
+    if args.train_steps > 0:
+        losses = train_with_amp(torch, device, args.amp, args.train_steps)
+        steps = f"Mixed precision ({args.amp}), {args.train_steps} steps"
+        print(f"{steps}: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+        if not losses[-1] < losses[0]:
+            fail("the loss did not go down")
+
+
+if __name__ == "__main__":
+    main()
