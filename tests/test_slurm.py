@@ -44,6 +44,15 @@ JOBS = {
         args=("--size", "64", "--repeats", "2", "--train-steps", "5"),
         expect=("Job {job_id} on ", "float32 ", "bfloat16 ", "Mixed precision (bf16), 5 steps"),
     ),
+    "cpu-threads/cnn_cpu.sbatch": Job(
+        files=("cpu-threads/cnn_cpu.py",),
+        args=("--fake-data", "--fake-size", "256", "--epochs", "2"),
+        expect=(
+            "Job {job_id} on ",
+            "256 images, 4 threads (4 CPUs from SLURM_CPUS_PER_TASK), OMP_NUM_THREADS=4",
+            "Throughput: ",
+        ),
+    ),
 }
 SBATCH_SCRIPTS = sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*.sbatch"))
 FINISHED = {"COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "OUT_OF_MEMORY", "NODE_FAIL"}
