@@ -53,6 +53,11 @@ JOBS = {
             "Throughput: ",
         ),
     ),
+    "one-gpu/cnn_gpu.sbatch": Job(
+        files=("one-gpu/cnn_gpu.py",),
+        args=("--fake-data", "--fake-size", "64", "--epochs", "1", "--batch-size", "16"),
+        expect=("Job {job_id} on ", "8 CPUs", "tuned: ", "workers=7"),
+    ),
 }
 SBATCH_SCRIPTS = sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*.sbatch"))
 FINISHED = {"COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "OUT_OF_MEMORY", "NODE_FAIL"}

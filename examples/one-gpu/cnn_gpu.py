@@ -1,0 +1,207 @@
+"""Train a CNN on one GPU with the settings that keep the GPU busy, and print images/s.
+
+The settings: batch size, DataLoader workers (one per allocated CPU core), pinned memory with
+non-blocking copies, the channels_last memory format, mixed precision (bfloat16 by default)
+and, optionally, torch.compile. --benchmark trains with the common naive loop (no workers,
+float32, small batches) and with the tuned one, in the same process, and prints the ratio.
+
+    python cnn_gpu.py --fake-data
+    python cnn_gpu.py --fake-data --benchmark
+    sbatch cnn_gpu.sbatch --fake-data --benchmark
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--num-workers", type=int, help="default: allocated CPUs minus one")
+    parser.add_argument("--data-dir", type=Path, default=Path("data"), help="CIFAR-10 folder")
+    parser.add_argument("--fake-data", action="store_true", help="train on generated images")
+    parser.add_argument("--fake-size", type=int, default=20000, help="generated images")
+    parser.add_argument("--amp", choices=["bf16", "fp16", "none"], default="bf16")
+    parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--compile", action="store_true", help="compile the model first")
+    parser.add_argument("--benchmark", action="store_true", help="naive loop, then tuned loop")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def fail(message):
+    print(f"cnn_gpu.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def allocated_cpus():
+    if os.environ.get("SLURM_CPUS_PER_TASK"):
+        return int(os.environ["SLURM_CPUS_PER_TASK"])
+    return len(os.sched_getaffinity(0))
+
+
+class FakeImages:
+    """CIFAR-10-like images stored as bytes and augmented per item on the CPU, as real
+    datasets are: this is the work DataLoader workers take off the training loop."""
+
+    def __init__(self, torch, size, seed):
+        generator = torch.Generator().manual_seed(seed)
+        self.torch = torch
+        self.labels = torch.randint(0, 10, (size,), generator=generator)
+        patterns = torch.rand(10, 3, 32, 32, generator=generator) * 255
+        noise = torch.rand(size, 3, 32, 32, generator=generator) * 64
+        self.images = (patterns[self.labels] * 0.75 + noise).to(torch.uint8)
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        image = self.images[index].float().div(255)
+        if self.torch.rand(()) < 0.5:
+            image = image.flip(-1)  # random horizontal flip
+        image = (image - 0.5) / 0.25
+        return image, self.labels[index]
+
+
+def make_dataset(torch, args):
+    if args.fake_data:
+        return FakeImages(torch, args.fake_size, args.seed)
+    if not (args.data_dir / "cifar-10-batches-py").is_dir():
+        fail(
+            f"no CIFAR-10 in {args.data_dir}: download it once on a login node with "
+            f"python -c \"from torchvision.datasets import CIFAR10; CIFAR10('{args.data_dir}', "
+            'download=True)", or pass --fake-data'
+        )
+    import torchvision
+
+    transform = torchvision.transforms.Compose(
+        [
+            torchvision.transforms.RandomHorizontalFlip(),
+            torchvision.transforms.ToTensor(),
+            torchvision.transforms.Normalize((0.5,) * 3, (0.25,) * 3),
+        ]
+    )
+    return torchvision.datasets.CIFAR10(args.data_dir, train=True, transform=transform)
+
+
+def make_model(torch):
+    nn = torch.nn
+
+    def block(cin, cout):
+        return nn.Sequential(
+            nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout), nn.ReLU()
+        )
+
+    return nn.Sequential(
+        block(3, 64), block(64, 128), nn.MaxPool2d(2),
+        block(128, 256), nn.MaxPool2d(2), block(256, 512), nn.MaxPool2d(2),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, 10),
+    )  # fmt: skip
+
+
+def train(
+    torch,
+    dataset,
+    device,
+    *,
+    epochs,
+    batch_size,
+    workers,
+    pin,
+    channels_last,
+    amp,
+    compile_model,
+    lr,
+):
+    """Train a fresh model; return (images/s of the fastest epoch, last epoch's mean loss)."""
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=workers,
+        pin_memory=pin,  # page-locked host memory: copies to the GPU can overlap compute
+        persistent_workers=workers > 0,
+        drop_last=True,
+    )
+    model = make_model(torch).to(device)
+    memory_format = torch.channels_last if channels_last else torch.contiguous_format
+    model = model.to(memory_format=memory_format)
+    if compile_model:
+        model = torch.compile(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": torch.float32}[amp]
+    scaler = torch.amp.GradScaler(device.type, enabled=amp == "fp16")
+    best, loss_sum = 0.0, 0.0
+    for _ in range(epochs):
+        seen, loss_sum = 0, torch.zeros((), device=device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for images, labels in loader:
+            images = images.to(device, non_blocking=pin, memory_format=memory_format)
+            labels = labels.to(device, non_blocking=pin)
+            optimizer.zero_grad(set_to_none=True)
+            with torch.amp.autocast(device.type, dtype=dtype, enabled=amp != "none"):
+                loss = torch.nn.functional.cross_entropy(model(images), labels)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            loss_sum += loss.detach() * len(images)  # no .item(): it would wait for the GPU
+            seen += len(images)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = max(best, seen / (time.perf_counter() - start))
+    return best, loss_sum.item() / seen
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail(
+            "--device cuda was given but no GPU is visible; request one (#SBATCH --gpus-per-node=1)"
+        )
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if use_cuda else "cpu")
+    torch.manual_seed(args.seed)
+    torch.backends.cudnn.benchmark = True  # pick the fastest convolution kernels for these shapes
+    workers = args.num_workers if args.num_workers is not None else max(allocated_cpus() - 1, 0)
+    dataset = make_dataset(torch, args)
+    name = torch.cuda.get_device_name(device) if use_cuda else "CPU"
+    print(f"{len(dataset)} images on {name}, PyTorch {torch.__version__}")
+    tuned = {
+        "batch_size": args.batch_size, "workers": workers, "pin": use_cuda,
+        "channels_last": args.channels_last, "amp": args.amp, "compile_model": args.compile,
+    }  # fmt: skip
+    runs = {"tuned": tuned}
+    if args.benchmark:
+        naive = {"batch_size": 32, "workers": 0, "pin": False, "channels_last": False,
+                 "amp": "none", "compile_model": False}  # fmt: skip
+        runs = {"naive": naive, "tuned": tuned}
+    rates = {}
+    for label, settings in runs.items():
+        if use_cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        rate, loss = train(torch, dataset, device, epochs=args.epochs, lr=args.lr, **settings)
+        rates[label] = rate
+        memory = f"{torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB" if use_cuda else "n/a"
+        described = ", ".join(f"{key}={value}" for key, value in settings.items())
+        print(
+            f"{label}: {rate:.0f} images/s, loss {loss:.3f}, peak GPU memory {memory} ({described})"
+        )
+    if args.benchmark:
+        print(f"Tuned / naive: {rates['tuned'] / rates['naive']:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
