@@ -1,6 +1,6 @@
 """Every Slurm job script in examples/, submitted with sbatch to a real Slurm cluster.
 
-The cluster (tests/slurm/) has two nodes, n1 and n2, with 8 CPUs, 32 GB and two fake GPUs
+The cluster (tests/slurm/) has two nodes, n1 and n2, with 8 CPUs, 64 GB and two fake GPUs
 each; it is started once for these tests and stopped at the end. Run only these tests with
 `make test-slurm`.
 """
@@ -112,7 +112,7 @@ def test_cluster_has_two_idle_nodes_with_gpus(cluster, record_property):
         ["sinfo", "--noheader", "--Node", "--format=%N %c %m %G"], cwd="/", env=cluster["env"]
     )
     nodes = sorted(set(out.stdout.splitlines()))
-    assert nodes == ["n1 8 32000 gpu:2", "n2 8 32000 gpu:2"]
+    assert nodes == ["n1 8 64000 gpu:2", "n2 8 64000 gpu:2"]
 
 
 def test_every_slurm_job_script_has_a_test():
