@@ -58,6 +58,16 @@ JOBS = {
         args=("--fake-data", "--fake-size", "64", "--epochs", "1", "--batch-size", "16"),
         expect=("Job {job_id} on ", "8 CPUs", "tuned: ", "workers=7"),
     ),
+    "mps/mps_ddp.sbatch": Job(
+        files=("mps/mps_ddp.py",),
+        args=("--fake-data", "--fake-size", "512", "--epochs", "2"),
+        expect=(
+            "Job {job_id} on ",
+            "MPS control daemon started (stand-in), pipes in /tmp/mps-{job_id}/pipe",
+            "samples/s with 4 replicas on cpu",
+            "MPS control daemon stopped (stand-in)",
+        ),
+    ),
 }
 SBATCH_SCRIPTS = sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*.sbatch"))
 FINISHED = {"COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "OUT_OF_MEMORY", "NODE_FAIL"}

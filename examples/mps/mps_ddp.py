@@ -1,0 +1,97 @@
+"""Train several data-parallel replicas of a small model on one shared GPU.
+
+A small model leaves most of a large GPU idle. Several processes, each a replica of the model
+on its own part of the data (DistributedDataParallel), can share the GPU; with NVIDIA MPS
+(started by the job script) their kernels run side by side instead of taking turns. The
+processes communicate with gloo: NCCL refuses two ranks on one GPU ("Duplicate GPU
+detected"). Each rank prints its throughput; rank 0 prints the total.
+
+    torchrun --standalone --nproc-per-node=4 mps_ddp.py --fake-data
+    sbatch mps_ddp.sbatch --fake-data
+"""
+
+import argparse
+import datetime
+import os
+import sys
+import time
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=64, help="per replica")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--fake-data", action="store_true", help="train on generated data")
+    parser.add_argument("--fake-size", type=int, default=8192)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def fail(message):
+    print(f"mps_ddp.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    missing = [v for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+               if v not in os.environ]  # fmt: skip
+    if missing:
+        fail(f"{', '.join(missing)} not set: start this script with torchrun (see the job script)")
+    if not args.fake_data:
+        fail("this example trains on generated data only: pass --fake-data")
+    import torch
+    import torch.distributed as dist
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail(
+            "--device cuda was given but no GPU is visible; request one (#SBATCH --gpus-per-node=1)"
+        )
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")  # all ranks: one GPU
+    # gloo, not nccl: NCCL refuses several ranks on the same GPU.
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    generator = torch.Generator().manual_seed(args.seed)
+    inputs = torch.randn(args.fake_size, 128, generator=generator)
+    targets = (inputs[:, :16].sum(dim=1) > 0).long()
+    dataset = torch.utils.data.TensorDataset(inputs, targets)
+    sampler = torch.utils.data.distributed.DistributedSampler(dataset, shuffle=True, seed=args.seed)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
+
+    torch.manual_seed(args.seed)  # the same initial weights in every replica
+    model = torch.nn.Sequential(
+        torch.nn.Linear(128, 512), torch.nn.ReLU(), torch.nn.Linear(512, 2)
+    ).to(device)
+    model = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)  # a different shuffle in every epoch
+        seen, loss_sum, start = 0, torch.zeros((), device=device), time.perf_counter()
+        for batch, labels in loader:
+            batch, labels = batch.to(device), labels.to(device)
+            optimizer.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.cross_entropy(model(batch), labels)
+            loss.backward()  # DDP averages the gradients of all replicas here
+            optimizer.step()
+            seen += len(batch)
+            loss_sum += loss.detach() * len(batch)
+        rate = torch.tensor([seen / (time.perf_counter() - start)])
+        dist.all_reduce(rate)  # sum over replicas
+        mean_loss = torch.tensor([loss_sum.item() / seen])
+        dist.all_reduce(mean_loss)
+        if rank == 0:
+            print(f"epoch {epoch + 1}: loss {mean_loss.item() / world:.3f}, "
+                  f"{rate.item():.0f} samples/s with {world} replicas on {device}")  # fmt: skip
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
