@@ -110,16 +110,16 @@ def job_env(tmp_path):
     """
     if not LMOD_INIT.exists() or not SITE_MODULES.exists():
         pytest.skip(f"Lmod or {SITE_MODULES} is missing: run `make system-packages` as root")
-    env = example_env()
-    # Stand-ins for what a GPU site has and this machine lacks (tests/standins), last on PATH.
-    return example_env(
-        PATH=f"{env['PATH']}{os.pathsep}{TESTS / 'standins'}",
+    env = example_env(
         BASH_ENV=LMOD_INIT,
         MODULEPATH=TESTS / "modulefiles",
         LMOD_IGNORE_CACHE=1,
         VENV=sys.prefix,
         HOME=tmp_path,
     )
+    # Stand-ins for what a GPU site has and this machine lacks (tests/standins), last on PATH.
+    env["PATH"] += f"{os.pathsep}{TESTS / 'standins'}"
+    return env
 
 
 @dataclass(frozen=True)

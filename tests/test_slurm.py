@@ -8,6 +8,7 @@ each; it is started once for these tests and stopped at the end. Run only these 
 import os
 import re
 import time
+from pathlib import Path
 
 import pytest
 
@@ -83,14 +84,14 @@ def wait_for(job_id, env, timeout=60):
     deadline = time.monotonic() + timeout
     while (info := job_info(job_id, env))["JobState"] not in FINISHED:
         if time.monotonic() > deadline:
-            output = open(info["StdOut"]).read() if os.path.exists(info["StdOut"]) else ""  # noqa: SIM115
+            output = Path(info["StdOut"])
+            so_far = output.read_text(encoding="utf-8") if output.exists() else ""
             pytest.fail(
-                f"job {job_id} still {info['JobState']} after {timeout} s\n{info}\n{output}",
+                f"job {job_id} still {info['JobState']} after {timeout} s\n{info}\n{so_far}",
                 pytrace=False,
             )
         time.sleep(0.2)
-    with open(info["StdOut"], encoding="utf-8") as output:
-        info["output"] = output.read()
+    info["output"] = Path(info["StdOut"]).read_text(encoding="utf-8")
     return info
 
 
