@@ -6,10 +6,12 @@ Build one language with `make html SPHINXOPTS=-Dlanguage=fr`, all of them with `
 
 import logging
 import os
+import sys
 import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "source" / "_ext"))  # benchmark_results: tables from CSVs
 VERSIONS = tomllib.loads((ROOT / "versions.toml").read_text(encoding="utf-8"))
 
 project = "PyTorch on HPC"
@@ -21,9 +23,9 @@ LANGUAGES = {"en": "English", "zh_CN": "简体中文", "ja": "日本語", "fr": 
 HREFLANG = {"en": "en", "zh_CN": "zh-CN", "ja": "ja", "fr": "fr"}
 language = "en"
 
-extensions = ["myst_parser", "sphinx_tabs.tabs", "sphinx_copybutton"]
+extensions = ["myst_parser", "sphinx_tabs.tabs", "sphinx_copybutton", "benchmark_results"]
 source_suffix = {".md": "markdown"}
-exclude_patterns = ["_build", "_root", "_templates", "_static"]
+exclude_patterns = ["_build", "_root", "_templates", "_static", "_ext"]
 templates_path = ["source/_templates"]
 html_static_path = ["source/_static"]
 nitpicky = True

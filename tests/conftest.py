@@ -18,6 +18,7 @@ EXAMPLES = ROOT / "examples"
 SOURCE = ROOT / "source"
 LOCALE = ROOT / "locale"
 TESTS = ROOT / "tests"
+SHIM = TESTS / "shim"
 VERSIONS = tomllib.loads((ROOT / "versions.toml").read_text(encoding="utf-8"))
 LANGUAGES = ["en", "zh_CN", "ja", "fr"]
 TRANSLATIONS = LANGUAGES[1:]
@@ -78,6 +79,8 @@ def example_env(**extra):
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     env["PYTHONWARNINGS"] = OWN_WARNINGS_AS_ERRORS
     env["PYTHONUNBUFFERED"] = "1"
+    # torchvision's CUDA-only build imports on a CPU torch with this shim (tests/shim).
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SHIM), env.get("PYTHONPATH")]))
     env.update({key: str(value) for key, value in extra.items()})
     return env
 

@@ -179,3 +179,16 @@ def test_root_page_sends_readers_to_each_language(site):
     for lang in LANGUAGES:
         assert f'href="{lang}/index.html"' in text and (out / lang / "index.html").is_file()
     assert re.search(r"navigator\.languages", text)
+
+
+@pytest.mark.parametrize("lang", LANGUAGES)
+def test_benchmark_page_renders_the_csv_files(site, lang):
+    out, _ = site
+    text = (out / lang / "performance" / "gpu-benchmark.html").read_text(encoding="utf-8")
+    table = re.search(r'<table class="[^"]*benchmark-table.*?</table>', text, re.S)
+    assert table, "no benchmark table"
+    rows = re.findall(r"<tr[ >]", table[0])
+    # The heading, the four source rows (two GPUs, two modes) and two modes per measured device.
+    assert len(rows) == 1 + 4 + 2, table[0]
+    assert ">188<" in table[0] and ">AMD EPYC" in table[0]
+    assert text.count('<svg class="benchmark-chart"') == 2

@@ -59,6 +59,16 @@ JOBS = {
         args=("--fake-data", "--fake-size", "64", "--epochs", "1", "--batch-size", "16"),
         expect=("Job {job_id} on ", "8 CPUs", "tuned: ", "workers=7"),
     ),
+    "benchmark/resnet_benchmark.sbatch": Job(
+        files=("benchmark/resnet_benchmark.py",),
+        args=("--quick", "--device", "cpu", "--precisions", "float", "--output-dir", "results"),
+        expect=(
+            "Job {job_id} on ",
+            "name,driver_version,clocks.max.sm,power.limit",
+            "resnet18          train     float ",
+            "Wrote 2 rows to results/resnet_benchmark.csv",
+        ),
+    ),
     "mps/mps_ddp.sbatch": Job(
         files=("mps/mps_ddp.py",),
         args=("--fake-data", "--fake-size", "512", "--epochs", "2"),

@@ -1,0 +1,32 @@
+"""Test-only shim: lets the CUDA build of torchvision import on a CPU-only torch.
+
+torchvision 0.28.0, the release for torch 2.13.0, exists only as a CUDA build. On a CPU torch
+its C++ operators do not load, and `import torchvision` fails with "operator torchvision::nms
+does not exist". Defining the two operator schemas first is enough for models, datasets and
+transforms (not for torchvision.ops). The tests put this folder on PYTHONPATH; the example
+scripts never need it, because on a GPU cluster torchvision loads normally.
+"""
+
+import importlib.abc
+import sys
+
+
+class _DefineTorchvisionOps(importlib.abc.MetaPathFinder):
+    """Runs once, when torchvision is first imported, so other programs pay nothing."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "torchvision":
+            return None
+        sys.meta_path.remove(self)
+        import torch  # noqa: PLC0415 (only when torchvision is imported)
+
+        if torch.version.cuda is None:  # CPU build: torchvision's own operators cannot load
+            library = torch.library.Library("torchvision", "FRAGMENT")
+            library.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+            library.define("qnms(Tensor qdets, Tensor scores, float iou_threshold) -> Tensor")
+            _KEEP.append(library)
+        return None  # the normal import goes on
+
+
+_KEEP = []
+sys.meta_path.insert(0, _DefineTorchvisionOps())
