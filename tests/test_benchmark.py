@@ -47,7 +47,7 @@ def test_quick_run_measures_every_case_and_appends_to_the_csv(tmp_path):
     ], out
     for *_, median, q1, q3, rate in cases:
         assert float(q1) <= float(median) <= float(q3)
-        assert float(rate) == pytest.approx(2 / float(median) * 1000, rel=0.01)
+        assert float(rate) == pytest.approx(2 / float(median) * 1000, rel=0.01, abs=0.05)
     assert "driver n/a, torch 2.13.0" in out and "batch 2, 32x32 images" in out
     written = tmp_path / "out" / "resnet_benchmark.csv"
     assert f"Wrote 10 rows to {written.relative_to(tmp_path)}" in out
