@@ -57,7 +57,7 @@ def test_quick_run_measures_every_case_and_appends_to_the_csv(tmp_path):
     medians = [float(row["median_ms"]) for row in rows]  # 2 decimals; the printed ones have 1
     assert medians == pytest.approx([float(c[3]) for c in cases], abs=0.051)
 
-    run([*args[:3], "--modes", "inference", "--output-dir", "out"], cwd=tmp_path, timeout=300)
+    run([*args[:5], "--modes", "inference", "--output-dir", "out"], cwd=tmp_path, timeout=300)
     lines = written.read_text(encoding="utf-8").splitlines()
     assert len(lines) == 1 + 10 + 4 and lines.count(lines[0]) == 1
 
