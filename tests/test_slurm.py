@@ -1,6 +1,6 @@
 """Every Slurm job script in examples/, submitted with sbatch to a real Slurm cluster.
 
-The cluster (tests/slurm/) has two nodes, n1 and n2, with 8 CPUs, 64 GB and two fake GPUs
+The cluster (tests/slurm/) has two nodes, n1 and n2, with 16 CPUs, 64 GB and two fake GPUs
 each; it is started once for these tests and stopped at the end. Run only these tests with
 `make test-slurm`.
 """
@@ -58,6 +58,31 @@ JOBS = {
         files=("one-gpu/cnn_gpu.py",),
         args=("--fake-data", "--fake-size", "64", "--epochs", "1", "--batch-size", "16"),
         expect=("Job {job_id} on ", "8 CPUs", "tuned: ", "workers=7"),
+    ),
+    "ddp/ddp_one_node.sbatch": Job(
+        files=("ddp/ddp.py",),
+        args=("--device", "cpu", "--fake-data", "--fake-size", "512", "--epochs", "2"),
+        expect=("Job {job_id} on ", ": 2 processes", "2 processes, cpu (gloo)", "epoch 2: loss "),
+    ),
+    "ddp/ddp_srun.sbatch": Job(
+        files=("ddp/ddp.py",),
+        args=("--device", "cpu", "--fake-data", "--fake-size", "512", "--epochs", "2"),
+        expect=(
+            "Job {job_id}: 4 processes on n[1-2], rendezvous at n1:",
+            "4 processes, cpu (gloo), global batch 256",
+            "Nodes: n1, n2",
+            "epoch 2: loss ",
+        ),
+    ),
+    "ddp/ddp_torchrun.sbatch": Job(
+        files=("ddp/ddp.py",),
+        args=("--device", "cpu", "--fake-data", "--fake-size", "512", "--epochs", "2"),
+        expect=(
+            "Job {job_id}: 2 nodes x 2 processes, rendezvous at n1:",
+            "4 processes, cpu (gloo), global batch 256",
+            "Nodes: n1, n2",
+            "epoch 2: loss ",
+        ),
     ),
     "benchmark/resnet_benchmark.sbatch": Job(
         files=("benchmark/resnet_benchmark.py",),
@@ -133,7 +158,7 @@ def test_cluster_has_two_idle_nodes_with_gpus(cluster, record_property):
         ["sinfo", "--noheader", "--Node", "--format=%N %c %m %G"], cwd="/", env=cluster["env"]
     )
     nodes = sorted(set(out.stdout.splitlines()))
-    assert nodes == ["n1 8 64000 gpu:2", "n2 8 64000 gpu:2"]
+    assert nodes == ["n1 16 64000 gpu:2", "n2 16 64000 gpu:2"]
 
 
 def test_every_slurm_job_script_has_a_test():
@@ -209,7 +234,7 @@ def test_a_job_over_its_time_limit_ends_in_timeout(cluster):
 
 
 # Scripts that start a distributed job: they must choose their port per job.
-DISTRIBUTED = [s for s in SBATCH_SCRIPTS if "MASTER_PORT" in (EXAMPLES / s).read_text()]
+DISTRIBUTED = [s for s in SBATCH_SCRIPTS if "SLURM_JOB_ID % 10000" in (EXAMPLES / s).read_text()]
 
 
 @pytest.mark.parametrize("script", DISTRIBUTED)
@@ -219,8 +244,11 @@ def test_two_copies_of_a_distributed_job_share_a_node(cluster, job_env, tmp_path
     job = JOBS[script]
     copy_example(tmp_path, script, *job.files)
     env = job_env_for(cluster, job_env)
-    one_node = ["--nodelist=n1", "--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
-                "--gpus-per-node=1", "--mem=8G"]  # fmt: skip
+    one_node = ["--nodelist=n1", "--nodes=1", "--cpus-per-task=1", "--gpus-per-node=1",
+                "--mem=8G"]  # fmt: skip
+    tasks = re.search(r"^#SBATCH --ntasks-per-node=(\d+)", (EXAMPLES / script).read_text(), re.M)
+    if tasks and int(tasks[1]) > 1:  # one task per GPU: two tasks; one torchrun per node: one
+        one_node.append("--ntasks-per-node=2")
     ids = [sbatch(*one_node, script.split("/")[-1], *job.args, cwd=tmp_path, env=env) for _ in "ab"]
     first, second = (wait_for(job_id, env) for job_id in ids)
     for info in (first, second):

@@ -62,7 +62,7 @@ up() {
     slurmd -N n1
     slurmd -N n2
     wait_for 30 "both nodes idle" nodes_idle
-    echo "Slurm cluster up in ${SECONDS} s: nodes n1 and n2 (8 CPUs, 64 GB, 2 GPUs each)"
+    echo "Slurm cluster up in ${SECONDS} s: nodes n1 and n2 (16 CPUs, 64 GB, 2 GPUs each)"
     echo "export SLURM_CONF=$SLURM_CONF"
 }
 

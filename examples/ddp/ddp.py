@@ -1,0 +1,179 @@
+"""Train a CNN with DistributedDataParallel: one process per GPU, on one node or several.
+
+Each process holds a replica of the model and trains on its own part of the data
+(DistributedSampler); after each backward pass DDP averages the gradients of all replicas.
+The script runs under torchrun (RANK, WORLD_SIZE, LOCAL_RANK set by torchrun) or as one Slurm
+task per GPU (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID set by srun); in both cases
+MASTER_ADDR and MASTER_PORT say where rank 0 waits. It uses nccl on GPUs and gloo on CPUs.
+--lr is the learning rate for a global batch of 256 images and is scaled linearly with the
+global batch (replicas x --batch-size). Rank 0 prints the loss and images/s of every epoch.
+
+    torchrun --standalone --nproc-per-node=2 ddp.py --fake-data
+    sbatch ddp_one_node.sbatch --fake-data          # torchrun on one node
+    sbatch ddp_srun.sbatch --fake-data              # one Slurm task per GPU, two nodes
+    sbatch ddp_torchrun.sbatch --fake-data          # torchrun on each of two nodes
+"""
+
+import argparse
+import datetime
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=64, help="per replica")
+    parser.add_argument("--lr", type=float, default=0.04, help="for a global batch of 256")
+    parser.add_argument("--num-workers", type=int, default=2, help="DataLoader workers per rank")
+    parser.add_argument("--data-dir", type=Path, default=Path("data"), help="CIFAR-10 folder")
+    parser.add_argument("--fake-data", action="store_true", help="train on generated images")
+    parser.add_argument("--fake-size", type=int, default=8192, help="generated images")
+    parser.add_argument("--init-timeout", type=int, default=60, help="seconds to wait for ranks")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def fail(message):
+    print(f"ddp.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def distributed_env():
+    """(rank, world size, local rank) from torchrun's variables, or else from srun's."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+        how = "start this script with torchrun or srun (see the job scripts)"
+    else:
+        names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+        how = "export them in the job script before srun (see ddp_srun.sbatch)"
+    missing = [name for name in (*names, "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        fail(f"{', '.join(missing)} not set: {how}")
+    rank, world, local_rank = (int(os.environ[name]) for name in names)
+    if not 0 <= rank < world:
+        fail(f"rank {rank} is outside a world of {world} processes ({names[0]}, {names[1]})")
+    return rank, world, local_rank
+
+
+def make_dataset(torch, args):
+    if args.fake_data:
+        generator = torch.Generator().manual_seed(args.seed)  # the same data in every rank
+        labels = torch.randint(0, 10, (args.fake_size,), generator=generator)
+        patterns = torch.randn(10, 3, 32, 32, generator=generator)
+        images = patterns[labels] + torch.randn(args.fake_size, 3, 32, 32, generator=generator)
+        return torch.utils.data.TensorDataset(images, labels)
+    if not (args.data_dir / "cifar-10-batches-py").is_dir():
+        fail(
+            f"no CIFAR-10 in {args.data_dir}: download it once on a login node with "
+            f"python -c \"from torchvision.datasets import CIFAR10; CIFAR10('{args.data_dir}', "
+            'download=True)", or pass --fake-data'
+        )  # never download here: every rank would write the same files at once
+    import torchvision
+
+    transform = torchvision.transforms.Compose(
+        [
+            torchvision.transforms.RandomHorizontalFlip(),
+            torchvision.transforms.ToTensor(),
+            torchvision.transforms.Normalize((0.5,) * 3, (0.25,) * 3),
+        ]
+    )
+    return torchvision.datasets.CIFAR10(args.data_dir, train=True, transform=transform)
+
+
+def make_model(torch):
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64 * 8 * 8, 10),
+    )  # fmt: skip
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rank, world, local_rank = distributed_env()
+    import torch
+    import torch.distributed as dist
+
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda and local_rank >= torch.cuda.device_count():
+        fail(
+            f"local rank {local_rank} but {torch.cuda.device_count()} GPUs visible: request one "
+            "GPU per process (--gpus-per-node equal to the processes per node)"
+        )
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo",
+            init_method=f"tcp://{address}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=args.init_timeout),
+        )
+        dist.barrier()  # returns only once all processes have joined
+    except (RuntimeError, TimeoutError) as error:  # DistNetworkError and DistStoreError too
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        fail(
+            f"rank {rank}: not all {world} processes reached {address} within "
+            f"{args.init_timeout} s ({first_line}); check that the world size matches the "
+            "processes started and that MASTER_ADDR is the first node of the job"
+        )
+
+    dataset = make_dataset(torch, args)
+    sampler = torch.utils.data.distributed.DistributedSampler(dataset, seed=args.seed)
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        sampler=sampler,
+        num_workers=args.num_workers,
+        pin_memory=use_cuda,
+        persistent_workers=args.num_workers > 0,
+    )
+    torch.manual_seed(args.seed)  # the same initial weights in every replica (DDP checks)
+    model = make_model(torch).to(device)
+    model = torch.nn.parallel.DistributedDataParallel(model)
+    global_batch = args.batch_size * world
+    lr = args.lr * global_batch / 256  # linear scaling with the global batch
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    nodes = [None] * world  # where each rank runs, to show that every node took part
+    dist.all_gather_object(nodes, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
+    if rank == 0:
+        print(f"{world} processes, {device.type} ({dist.get_backend()}), global batch "
+              f"{global_batch}, learning rate {lr:.4g}")  # fmt: skip
+        print(f"Nodes: {', '.join(sorted(set(nodes)))}")
+
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)  # a different shuffle in every epoch
+        totals = torch.zeros(2, device=device)  # loss sum, images
+        start = time.perf_counter()
+        for images, labels in loader:
+            images = images.to(device, non_blocking=True)
+            labels = labels.to(device, non_blocking=True)
+            loss = torch.nn.functional.cross_entropy(model(images), labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # DDP averages the gradients of all replicas here
+            optimizer.step()
+            totals[0] += loss.detach() * len(labels)
+            totals[1] += len(labels)
+        dist.all_reduce(totals)  # sums over all replicas
+        seconds = time.perf_counter() - start
+        if rank == 0:
+            loss_sum, images_seen = totals.tolist()
+            print(f"epoch {epoch + 1}: loss {loss_sum / images_seen:.4f}, "
+                  f"{images_seen / seconds:.0f} images/s")  # fmt: skip
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
