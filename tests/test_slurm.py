@@ -84,6 +84,17 @@ JOBS = {
             "epoch 2: loss ",
         ),
     ),
+    "lightning/lightning.sbatch": Job(
+        files=("lightning/lightning_train.py",),
+        args=("--device", "cpu", "--fake-data", "--fake-size", "512", "--epochs", "2",
+              "--num-workers", "0"),  # fmt: skip
+        expect=(
+            "Job {job_id}: 4 processes on n[1-2], rendezvous at n1:",
+            "world size 4: 2 node(s) x 2 devices, cpu (gloo), SLURMEnvironment",
+            "rank 3/4 on n2, cpu",
+            "epoch 2: loss ",
+        ),
+    ),
     "benchmark/resnet_benchmark.sbatch": Job(
         files=("benchmark/resnet_benchmark.py",),
         args=("--quick", "--device", "cpu", "--precisions", "float", "--output-dir", "results"),

@@ -1,0 +1,257 @@
+"""Train a model with FSDP2 (fully_shard): each process holds only a shard of the parameters.
+
+fully_shard splits every parameter, its gradient and its optimizer state across the processes
+(one per GPU), like DeepSpeed's ZeRO-3: before a block runs, its full parameters are gathered,
+and freed again afterwards. Each block of the model is sharded first, then the root. Options
+choose what is kept: --no-reshard keeps the gathered parameters from the forward to the
+backward pass (ZeRO-2-like), --cpu-offload keeps the shards and the optimizer step on the CPU,
+--replicate 2 shards within groups of processes and replicates across them (HSDP). The script
+runs under torchrun or as one Slurm task per GPU, with nccl on GPUs and gloo on CPUs. It prints
+how many parameters each process holds, then the loss and images/s of every epoch.
+
+    torchrun --standalone --nproc-per-node=2 fsdp_train.py --fake-data
+    sbatch fsdp.sbatch --fake-data                  # one Slurm task per GPU, two nodes
+    sbatch fsdp.sbatch --fake-data --replicate 2    # HSDP: shard in a node, replicate across
+"""
+
+import argparse
+import datetime
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=64, help="per process")
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    parser.add_argument("--num-workers", type=int, default=2, help="DataLoader workers per rank")
+    parser.add_argument("--data-dir", type=Path, default=Path("data"), help="CIFAR-10 folder")
+    parser.add_argument("--fake-data", action="store_true", help="train on generated images")
+    parser.add_argument("--fake-size", type=int, default=8192, help="generated images")
+    parser.add_argument("--width", type=int, default=512, help="features of each block")
+    parser.add_argument("--blocks", type=int, default=4, help="residual blocks")
+    parser.add_argument("--param-dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                        help="compute dtype; auto: bfloat16 on GPU")  # fmt: skip
+    parser.add_argument("--no-reshard", action="store_true", help="ZeRO-2-like: keep gathered "
+                        "parameters from forward to backward")  # fmt: skip
+    parser.add_argument("--cpu-offload", action="store_true", help="shards, gradients and "
+                        "optimizer state in CPU memory")  # fmt: skip
+    parser.add_argument("--replicate", type=int, default=1, help="HSDP: replicas, each sharded "
+                        "over world/replicate processes")  # fmt: skip
+    parser.add_argument("--init-timeout", type=int, default=60, help="seconds to wait for ranks")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def fail(message):
+    print(f"fsdp_train.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def distributed_env():
+    """(rank, world size, local rank) from torchrun's variables, or else from srun's."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+        how = "start this script with torchrun or srun (see fsdp.sbatch)"
+    else:
+        names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+        how = "export them in the job script before srun (see fsdp.sbatch)"
+    missing = [name for name in (*names, "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        fail(f"{', '.join(missing)} not set: {how}")
+    rank, world, local_rank = (int(os.environ[name]) for name in names)
+    if not 0 <= rank < world:
+        fail(f"rank {rank} is outside a world of {world} processes ({names[0]}, {names[1]})")
+    return rank, world, local_rank
+
+
+def make_dataset(torch, args):
+    if args.fake_data:
+        generator = torch.Generator().manual_seed(args.seed)  # the same data in every rank
+        labels = torch.randint(0, 10, (args.fake_size,), generator=generator)
+        patterns = torch.randn(10, 3, 32, 32, generator=generator)
+        images = patterns[labels] + torch.randn(args.fake_size, 3, 32, 32, generator=generator)
+        return torch.utils.data.TensorDataset(images, labels)
+    if not (args.data_dir / "cifar-10-batches-py").is_dir():
+        fail(
+            f"no CIFAR-10 in {args.data_dir}: download it once on a login node with "
+            f"python -c \"from torchvision.datasets import CIFAR10; CIFAR10('{args.data_dir}', "
+            'download=True)", or pass --fake-data'
+        )  # never download here: every rank would write the same files at once
+    import torchvision
+
+    transform = torchvision.transforms.Compose(
+        [
+            torchvision.transforms.RandomHorizontalFlip(),
+            torchvision.transforms.ToTensor(),
+            torchvision.transforms.Normalize((0.5,) * 3, (0.25,) * 3),
+        ]
+    )
+    return torchvision.datasets.CIFAR10(args.data_dir, train=True, transform=transform)
+
+
+def make_model(torch, width, blocks):
+    nn = torch.nn
+
+    class Block(nn.Module):
+        """A residual MLP block: the unit that fully_shard gathers and frees at once."""
+
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(width)
+            self.mlp = nn.Sequential(
+                nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+            )
+
+        def forward(self, x):
+            return x + self.mlp(self.norm(x))
+
+    return nn.Sequential(
+        nn.Flatten(),
+        nn.Linear(3 * 32 * 32, width),
+        nn.Sequential(*(Block() for _ in range(blocks))),
+        nn.LayerNorm(width),
+        nn.Linear(width, 10),
+    )
+
+
+def shard_model(torch, model, mesh, args, use_cuda):
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    options = {
+        "mesh": mesh,
+        "reshard_after_forward": not args.no_reshard,  # True: ZeRO-3, False: ZeRO-2-like
+        # Gathered parameters in param_dtype for compute; the shards, the optimizer step and
+        # the gradient reduction stay in float32.
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=getattr(torch, args.param_dtype), reduce_dtype=torch.float32
+        ),
+    }
+    if args.cpu_offload:
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=use_cuda)
+    for block in model[2]:  # the residual blocks, each gathered in one all-gather
+        fully_shard(block, **options)
+    # Then the root, which takes the other parameters (first and last layers). The backward
+    # pass starts with the last layer: keeping them gathered saves an all-gather.
+    fully_shard(model, **{**options, "reshard_after_forward": False})
+    return model
+
+
+def make_mesh(device, world, replicate):
+    """The processes as a 1-D mesh (FSDP) or as replicate x shard (HSDP)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if replicate == 1:
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    # Shard along the last dimension, replicate along the first: ranks 0 to world/replicate - 1
+    # form the first shard group, so that with ranks in node order a group is one node.
+    shape = (replicate, world // replicate)
+    return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rank, world, local_rank = distributed_env()
+    if args.replicate < 1 or world % args.replicate:
+        fail(f"--replicate {args.replicate} does not divide the {world} processes")
+    import torch
+    import torch.distributed as dist
+
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if args.param_dtype == "auto":
+        args.param_dtype = "bfloat16" if use_cuda else "float32"
+    if use_cuda and local_rank >= torch.cuda.device_count():
+        fail(
+            f"local rank {local_rank} but {torch.cuda.device_count()} GPUs visible: request one "
+            "GPU per process (#SBATCH --gpus-per-node equal to --ntasks-per-node)"
+        )
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    dataset = make_dataset(torch, args)  # before joining the others: a missing folder stops all
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo",
+            init_method=f"tcp://{address}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=args.init_timeout),
+            device_id=device if use_cuda else None,
+        )
+        dist.barrier()  # returns only once all processes have joined
+    except (RuntimeError, TimeoutError) as error:  # DistNetworkError and DistStoreError too
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        fail(
+            f"rank {rank}: not all {world} processes reached {address} within "
+            f"{args.init_timeout} s ({first_line}); check that the world size matches the "
+            "processes started and that MASTER_ADDR is the first node of the job"
+        )
+
+    mesh = make_mesh(device, world, args.replicate)
+    torch.manual_seed(args.seed)  # the same full model in every rank before it is sharded
+    model = make_model(torch, args.width, args.blocks)
+    model = shard_model(torch, model, mesh, args, use_cuda)
+    # After fully_shard the parameters are DTensors: numel() is the full size, to_local() the
+    # shard this process holds. The optimizer, created afterwards, keeps state for the shard.
+    held = sum(p.to_local().numel() for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    holdings = [None] * world
+    node = os.environ.get("SLURMD_NODENAME", socket.gethostname())
+    dist.all_gather_object(holdings, (node, held))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    sampler = torch.utils.data.distributed.DistributedSampler(dataset, seed=args.seed)
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        sampler=sampler,
+        num_workers=args.num_workers,
+        pin_memory=use_cuda,
+        persistent_workers=args.num_workers > 0,
+    )
+    if rank == 0:
+        replicas = f", {args.replicate} replicas" if args.replicate > 1 else ""
+        print(f"{world} processes, {device.type} ({dist.get_backend()}), shards of "
+              f"1/{world // args.replicate}{replicas}, "
+              f"compute in {args.param_dtype}, reshard after forward: {not args.no_reshard}, "
+              f"CPU offload: {args.cpu_offload}")  # fmt: skip
+        for i, (where, count) in enumerate(holdings):
+            print(f"rank {i} on {where} holds {count:,} of {total:,} parameters "
+                  f"({100 * count / total:.1f}%)")  # fmt: skip
+
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)  # a different shuffle in every epoch
+        totals = torch.zeros(2, device=device)  # loss sum, images
+        start = time.perf_counter()
+        for images, labels in loader:
+            images = images.to(device, non_blocking=True)
+            labels = labels.to(device, non_blocking=True)
+            loss = torch.nn.functional.cross_entropy(model(images).float(), labels)
+            loss.backward()  # gradients are reduce-scattered: each rank keeps its shard
+            optimizer.step()  # updates the local shard only
+            optimizer.zero_grad(set_to_none=True)
+            totals[0] += loss.detach() * len(labels)
+            totals[1] += len(labels)
+        dist.all_reduce(totals)  # sums over all processes
+        seconds = time.perf_counter() - start
+        memory = ""
+        if use_cuda:
+            memory = f", {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB peak on rank 0"
+        if rank == 0:
+            loss_sum, images_seen = totals.tolist()
+            print(f"epoch {epoch + 1}: loss {loss_sum / images_seen:.4f}, "
+                  f"{images_seen / seconds:.0f} images/s{memory}")  # fmt: skip
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

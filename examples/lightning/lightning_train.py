@@ -1,0 +1,259 @@
+"""Train a CNN with PyTorch Lightning on every GPU of a Slurm allocation, one task per GPU.
+
+Lightning's Trainer runs DistributedDataParallel for you. Under srun, every task is one
+process: Lightning reads its rank from the Slurm variables (SLURMEnvironment), and the script
+takes the Trainer's devices and nodes from the same allocation (SLURM_NTASKS_PER_NODE,
+SLURM_NNODES), so that the two always match. When Slurm sends SIGUSR1 before the time limit,
+all processes stop at the same step, save a checkpoint in --output-dir and requeue the job,
+which resumes from it. Outside Slurm, Lightning starts --devices processes itself. Rank 0
+prints the loss and images/s of every epoch; the progress bar is shown only in a terminal,
+never in a batch log.
+
+    python lightning_train.py --fake-data --devices 2
+    sbatch lightning.sbatch --fake-data             # two nodes, one task per GPU
+"""
+
+import argparse
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.plugins.environments import LightningEnvironment, SLURMEnvironment
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--devices", type=int, help="per node (default: from srun, else 1)")
+    parser.add_argument("--num-nodes", type=int, help="(default: from srun, else 1)")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=64, help="per process")
+    parser.add_argument("--lr", type=float, default=0.02, help="for a global batch of 256")
+    parser.add_argument("--num-workers", type=int, default=2, help="DataLoader workers per process")
+    parser.add_argument("--data-dir", type=Path, default=Path("data"), help="CIFAR-10 folder")
+    parser.add_argument("--output-dir", type=Path, default=Path("runs"), help="logs, checkpoints")
+    parser.add_argument("--fake-data", action="store_true", help="train on generated images")
+    parser.add_argument("--fake-size", type=int, default=8192, help="generated images")
+    parser.add_argument("--init-timeout", type=int, default=60, help="seconds to wait for ranks")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def fail(message):
+    print(f"lightning_train.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def slurm_allocation():
+    """(tasks per node, nodes) when srun started this process, None outside Slurm."""
+    interactive = os.environ.get("SLURM_JOB_NAME") in ("bash", "interactive")
+    if "SLURM_NTASKS" not in os.environ or interactive:
+        return None  # Lightning's own rule: no Slurm job, or an interactive shell in one
+    tasks = int(os.environ["SLURM_NTASKS"])
+    started = int(os.environ.get("SLURM_STEP_NUM_TASKS", 1))  # set by srun, not in the batch shell
+    if started != tasks:
+        fail(
+            f"SLURM_NTASKS={tasks} but srun started {started}: Lightning would wait for "
+            f"{tasks - started} more process(es) that never come. Run the script with srun "
+            "(srun python lightning_train.py), or train on this node alone with "
+            "SLURM_JOB_NAME=interactive python lightning_train.py"
+        )
+    return int(os.environ.get("SLURM_NTASKS_PER_NODE", tasks)), int(os.environ["SLURM_NNODES"])
+
+
+def make_dataset(args):
+    if args.fake_data:
+        generator = torch.Generator().manual_seed(args.seed)  # the same data in every process
+        labels = torch.randint(0, 10, (args.fake_size,), generator=generator)
+        patterns = torch.randn(10, 3, 32, 32, generator=generator)
+        images = patterns[labels] + torch.randn(args.fake_size, 3, 32, 32, generator=generator)
+        return torch.utils.data.TensorDataset(images, labels)
+    import torchvision
+
+    transform = torchvision.transforms.Compose(
+        [
+            torchvision.transforms.RandomHorizontalFlip(),
+            torchvision.transforms.ToTensor(),
+            torchvision.transforms.Normalize((0.5,) * 3, (0.25,) * 3),
+        ]
+    )
+    return torchvision.datasets.CIFAR10(args.data_dir, train=True, transform=transform)
+
+
+class CNN(L.LightningModule):
+    def __init__(self, lr, batch_size):
+        super().__init__()
+        self.save_hyperparameters()  # stored in checkpoints
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(64 * 8 * 8, 10),
+        )  # fmt: skip
+
+    def training_step(self, batch, batch_idx):
+        images, labels = batch
+        loss = nn.functional.cross_entropy(self.net(images), labels)
+        # The epoch's mean over all processes, for EpochReport.
+        self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        global_batch = self.hparams.batch_size * self.trainer.world_size
+        lr = self.hparams.lr * global_batch / 256  # linear scaling with the global batch
+        return torch.optim.SGD(self.parameters(), lr=lr, momentum=0.9)
+
+
+class EpochReport(L.Callback):
+    """Each process says where it runs; rank 0 prints the loss and images/s of every epoch."""
+
+    def on_fit_start(self, trainer, module):
+        self.start, self.images = time.perf_counter(), 0  # a resumed run starts mid-epoch
+        node = os.environ.get("SLURMD_NODENAME", os.uname().nodename)
+        print(f"rank {trainer.global_rank}/{trainer.world_size} on {node}, {module.device}")
+        if trainer.is_global_zero:
+            environment = type(trainer.strategy.cluster_environment).__name__
+            print(f"world size {trainer.world_size}: {trainer.num_nodes} node(s) x "
+                  f"{trainer.num_devices} devices, {module.device.type} "
+                  f"({trainer.strategy.process_group_backend}), {environment}")  # fmt: skip
+
+    def on_train_start(self, trainer, module):
+        if trainer.ckpt_path and trainer.is_global_zero:  # the loops are restored by now
+            print(f"resumed from {trainer.ckpt_path} at epoch {trainer.current_epoch + 1}, "
+                  f"step {trainer.global_step}")  # fmt: skip
+
+    def on_train_epoch_start(self, trainer, module):
+        self.start, self.images = time.perf_counter(), 0
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.images += len(batch[1])
+
+    def on_train_epoch_end(self, trainer, module):
+        loss = trainer.callback_metrics["train_loss"].item()
+        speed = self.images * trainer.world_size / (time.perf_counter() - self.start)
+        if trainer.is_global_zero and not trainer.should_stop:  # not an epoch cut short
+            print(f"epoch {trainer.current_epoch + 1}: loss {loss:.4f}, {speed:.0f} images/s")
+
+
+class StopOnSignal(L.Callback):
+    """SIGUSR1 only sets a flag; at the end of a step, all processes agree to save and stop.
+
+    Lightning's own SLURMEnvironment(auto_requeue=True) saves inside the signal handler,
+    wherever each process happens to be, and the processes can then wait for each other
+    until the timeout. Here the handler records the signal; the work waits for a step's end.
+    """
+
+    def __init__(self, checkpoint):
+        self.checkpoint, self.signalled, self.stopped = checkpoint, False, False
+
+    def setup(self, trainer, module, stage):
+        signal.signal(signal.SIGUSR1, self.record)
+
+    def record(self, signum, frame):
+        self.signalled = True
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        # One small all-reduce per step: True in every process if any got the signal.
+        if trainer.strategy.reduce_boolean_decision(self.signalled, all=False):
+            trainer.save_checkpoint(self.checkpoint)  # rank 0 writes, all wait for it
+            trainer.should_stop = self.stopped = True
+            if trainer.is_global_zero:
+                print(f"SIGUSR1: stopped at epoch {trainer.current_epoch + 1}, step "
+                      f"{trainer.global_step}, saved {self.checkpoint}")  # fmt: skip
+
+
+def cluster_environment(args):
+    """Who starts the processes (Lightning's cluster environment), devices and nodes."""
+    allocation = slurm_allocation()
+    if allocation is None:  # Lightning starts the processes of this node itself
+        return LightningEnvironment(), args.devices or 1, args.num_nodes or 1
+    devices, num_nodes = args.devices or allocation[0], args.num_nodes or allocation[1]
+    try:  # srun started one process per task: Lightning must not start more
+        environment = SLURMEnvironment(auto_requeue=False)  # StopOnSignal requeues instead
+        environment.validate_settings(devices, num_nodes)  # Lightning's check, before any wait
+    except (RuntimeError, ValueError) as error:
+        fail(error)
+    return environment, devices, num_nodes
+
+
+def make_trainer(args, environment, devices, num_nodes, use_cuda, callbacks):
+    return L.Trainer(
+        accelerator="gpu" if use_cuda else "cpu",
+        devices=devices,  # processes per node: --ntasks-per-node under srun
+        num_nodes=num_nodes,
+        strategy=DDPStrategy(
+            cluster_environment=environment,
+            timeout=datetime.timedelta(seconds=args.init_timeout),  # fail fast, never hang
+        ),
+        max_epochs=args.epochs,
+        enable_progress_bar=sys.stdout.isatty(),  # no bar in batch logs
+        enable_model_summary=False,
+        default_root_dir=args.output_dir,  # logs and checkpoints
+        callbacks=callbacks,
+    )
+
+
+def requeue(checkpoint, output_dir):
+    """Rank 0, once every process has saved and stopped: put the job back in the queue."""
+    job = os.environ["SLURM_JOB_ID"]
+    print(f"requeuing job {job}: it will resume from {checkpoint}")
+    if subprocess.run(["scontrol", "requeue", job], check=False).returncode != 0:
+        fail(f"scontrol requeue {job} failed: submit again with --output-dir {output_dir}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    environment, devices, num_nodes = cluster_environment(args)
+    if not args.fake_data and not (args.data_dir / "cifar-10-batches-py").is_dir():
+        fail(
+            f"no CIFAR-10 in {args.data_dir}: download it once on a login node with "
+            f"python -c \"from torchvision.datasets import CIFAR10; CIFAR10('{args.data_dir}', "
+            'download=True)", or pass --fake-data'
+        )  # never download here: every process would write the same files at once
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda but no GPU is visible: request one with #SBATCH --gpus-per-node=1")
+    if use_cuda and torch.cuda.device_count() < devices:
+        fail(
+            f"{devices} processes per node but {torch.cuda.device_count()} GPUs visible: request "
+            f"#SBATCH --gpus-per-node={devices}, one GPU per task, visible to all tasks of a node"
+        )
+
+    L.seed_everything(args.seed, verbose=False)  # the same initial weights in every process
+    loader = torch.utils.data.DataLoader(
+        make_dataset(args),
+        batch_size=args.batch_size,
+        shuffle=True,  # Lightning replaces this by a DistributedSampler that shuffles
+        num_workers=args.num_workers,
+        persistent_workers=args.num_workers > 0,
+    )
+    checkpoint = args.output_dir / "requeue.ckpt"  # the same folder after a requeue
+    stop_on_signal = StopOnSignal(checkpoint)  # only under Slurm, which sends the signal
+    slurm = isinstance(environment, SLURMEnvironment)
+    callbacks = [EpochReport(), stop_on_signal] if slurm else [EpochReport()]
+    trainer = make_trainer(args, environment, devices, num_nodes, use_cuda, callbacks)
+    resume = checkpoint if checkpoint.exists() else None  # left by a requeued run
+    try:
+        trainer.fit(CNN(args.lr, args.batch_size), loader, ckpt_path=resume)
+    except (torch.distributed.DistStoreError, torch.distributed.DistNetworkError) as error:
+        fail(
+            f"rank {trainer.global_rank}: not all {trainer.world_size} processes met within "
+            f"{args.init_timeout} s ({str(error).splitlines()[0]}); check that srun started "
+            "one task per device on every node"
+        )
+    if stop_on_signal.stopped and trainer.is_global_zero:  # all processes saved and stopped
+        requeue(checkpoint, args.output_dir)
+
+
+if __name__ == "__main__":
+    main()
