@@ -95,6 +95,18 @@ JOBS = {
             "epoch 2: loss ",
         ),
     ),
+    "fsdp/fsdp.sbatch": Job(
+        files=("fsdp/fsdp_train.py",),
+        args=("--device", "cpu", "--fake-data", "--fake-size", "512", "--epochs", "2",
+              "--width", "128", "--blocks", "2", "--num-workers", "0"),  # fmt: skip
+        expect=(
+            "Job {job_id}: 4 processes on n[1-2], rendezvous at n1:",
+            "4 processes, cpu (gloo), shards of 1/4, compute in float32",
+            "rank 0 on n1 holds 164,771 of 658,826 parameters (25.0%)",
+            "rank 3 on n2 holds 164,513 of 658,826 parameters (25.0%)",
+            "epoch 2: loss ",
+        ),
+    ),
     "benchmark/resnet_benchmark.sbatch": Job(
         files=("benchmark/resnet_benchmark.py",),
         args=("--quick", "--device", "cpu", "--precisions", "float", "--output-dir", "results"),
