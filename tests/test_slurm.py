@@ -86,8 +86,7 @@ JOBS = {
     ),
     "lightning/lightning.sbatch": Job(
         files=("lightning/lightning_train.py",),
-        args=("--device", "cpu", "--fake-data", "--fake-size", "512", "--epochs", "2",
-              "--num-workers", "0"),  # fmt: skip
+        args=tuple("--device cpu --fake-data --fake-size 512 --epochs 2 --num-workers 0".split()),
         expect=(
             "Job {job_id}: 4 processes on n[1-2], rendezvous at n1:",
             "world size 4: 2 node(s) x 2 devices, cpu (gloo), SLURMEnvironment",
@@ -97,8 +96,10 @@ JOBS = {
     ),
     "fsdp/fsdp.sbatch": Job(
         files=("fsdp/fsdp_train.py",),
-        args=("--device", "cpu", "--fake-data", "--fake-size", "512", "--epochs", "2",
-              "--width", "128", "--blocks", "2", "--num-workers", "0"),  # fmt: skip
+        args=tuple(
+            "--device cpu --fake-data --fake-size 512 --epochs 2 --width 128 --blocks 2 "
+            "--num-workers 0".split()
+        ),
         expect=(
             "Job {job_id}: 4 processes on n[1-2], rendezvous at n1:",
             "4 processes, cpu (gloo), shards of 1/4, compute in float32",
