@@ -108,6 +108,36 @@ JOBS = {
             "epoch 2: loss ",
         ),
     ),
+    "horovod/horovod.sbatch": Job(
+        files=("horovod/horovod_train.py",),
+        args=tuple("--device cpu --fake-data --fake-size 512 --epochs 2".split()),
+        expect=(
+            "Job {job_id}: 4 processes on n1:2,n2:2",
+            "[0]<stdout>:4 processes on 2 node(s), cpu, batch 64 per process, learning rate 0.05",
+            "[0]<stdout>:epoch 2: loss ",
+        ),
+        venv="horovod_venv",  # Horovod is built by install_horovod.sh, not pip-installed
+    ),
+    "pipeline/pipeline.sbatch": Job(
+        files=("pipeline/pipeline.py",),
+        args=tuple("--device cpu --fake-data --fake-size 256 --epochs 2 --num-workers 0".split()),
+        expect=(
+            "Job {job_id} on ",
+            "2 stages, cpu (gloo), schedule gpipe, 4 micro-batches of 16 images",
+            "epoch 2: loss ",
+        ),
+    ),
+    "pipeline-ddp/pipeline_ddp.sbatch": Job(
+        files=("pipeline-ddp/pipeline_ddp.py",),
+        args=tuple("--device cpu --fake-data --fake-size 256 --epochs 2 --num-workers 0".split()),
+        expect=(
+            "Job {job_id}: 4 processes on n[1-2], rendezvous at n1:",
+            "4 processes = 2 x 2 (replicas x stages), cpu (gloo), schedule 1f1b",
+            "replica 0: stage 0 on n1 (rank 0), stage 1 on n1 (rank 1)",
+            "replica 1: stage 0 on n2 (rank 2), stage 1 on n2 (rank 3)",
+            "epoch 2: loss ",
+        ),
+    ),
     "benchmark/resnet_benchmark.sbatch": Job(
         files=("benchmark/resnet_benchmark.py",),
         args=("--quick", "--device", "cpu", "--precisions", "float", "--output-dir", "results"),
@@ -138,7 +168,7 @@ def job_info(job_id, env):
     return dict(field.split("=", 1) for field in out.split() if "=" in field)
 
 
-def wait_for(job_id, env, timeout=60):
+def wait_for(job_id, env, timeout=180):
     """Poll until the job has finished; return scontrol's fields and the job's output."""
     deadline = time.monotonic() + timeout
     while (info := job_info(job_id, env))["JobState"] not in FINISHED:
@@ -172,8 +202,11 @@ def cluster(slurm_cluster, tmp_path_factory):
     return {"env": env, "start_seconds": seconds, "overdue": overdue}
 
 
-def job_env_for(cluster, job_env):
-    return {**job_env, "SLURM_CONF": cluster["env"]["SLURM_CONF"]}
+def job_env_for(cluster, job_env, job=None, request=None):
+    env = {**job_env, "SLURM_CONF": cluster["env"]["SLURM_CONF"]}
+    if job is not None and job.venv:  # the job activates a venv built by a fixture
+        env["VENV"] = str(request.getfixturevalue(job.venv)[0])
+    return env
 
 
 def test_cluster_has_two_idle_nodes_with_gpus(cluster, record_property):
@@ -190,10 +223,12 @@ def test_every_slurm_job_script_has_a_test():
 
 
 @pytest.mark.parametrize("script", SBATCH_SCRIPTS)
-def test_job_script_completes_under_slurm(cluster, job_env, tmp_path, script, record_property):
+def test_job_script_completes_under_slurm(
+    cluster, job_env, tmp_path, script, record_property, request
+):
     job = JOBS[script]
     copy_example(tmp_path, script, *job.files)
-    env = job_env_for(cluster, job_env)
+    env = job_env_for(cluster, job_env, job, request)
     start = time.perf_counter()
     job_id = sbatch(script.split("/")[-1], *job.args, cwd=tmp_path, env=env)
     info = wait_for(job_id, env)
@@ -209,7 +244,7 @@ def test_job_script_completes_under_slurm(cluster, job_env, tmp_path, script, re
 
 @pytest.mark.parametrize("script", SBATCH_SCRIPTS)
 @pytest.mark.parametrize("fault", ["wrong module", "missing file"])
-def test_a_broken_job_script_fails_under_slurm(cluster, job_env, tmp_path, script, fault):
+def test_a_broken_job_script_fails_under_slurm(cluster, job_env, tmp_path, script, fault, request):
     job = JOBS[script]
     copy_example(tmp_path, script, *job.files)
     name = script.split("/")[-1]
@@ -223,7 +258,7 @@ def test_a_broken_job_script_fails_under_slurm(cluster, job_env, tmp_path, scrip
         for extra in job.files:
             (tmp_path / extra.split("/")[-1]).unlink()
         message = "No such file"
-    env = job_env_for(cluster, job_env)
+    env = job_env_for(cluster, job_env, job, request)
     info = wait_for(sbatch(name, *job.args, cwd=tmp_path, env=env), env)
     assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0", info["output"]
     assert message in info["output"], info["output"]

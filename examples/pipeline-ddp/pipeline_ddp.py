@@ -1,0 +1,235 @@
+"""Train a CNN with pipeline and data parallelism: replicas of a two-stage pipeline.
+
+The processes form a 2-D device mesh of data-parallel replicas ("dp") times pipeline stages
+("pp"): with 4 processes, 2 replicas of the two-stage pipeline of pipeline.py. Inside a
+replica, the stages exchange activations and gradients (torch.distributed.pipelining); each
+stage is wrapped in DistributedDataParallel over its "dp" group, so that the stages that hold
+the same layers in different replicas average their gradients. Each replica trains on its own
+part of the data (DistributedSampler). The last stage of replica 0 prints where each process
+runs, then the loss of every epoch. The number of processes must be a multiple of 2; it runs
+under torchrun or as Slurm tasks, with nccl on GPUs and gloo on CPUs.
+
+    torchrun --standalone --nproc-per-node=4 pipeline_ddp.py --fake-data
+    sbatch pipeline_ddp.sbatch --fake-data          # two nodes, two GPUs each
+"""
+
+import argparse
+import datetime
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+STAGES = 2  # pipeline stages in each replica
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
+    parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per batch")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=64, help="per replica")
+    parser.add_argument("--lr", type=float, default=0.1, help="for a global batch of 256")
+    parser.add_argument("--num-workers", type=int, default=2, help="DataLoader workers per rank")
+    parser.add_argument("--data-dir", type=Path, default=Path("data"), help="CIFAR-10 folder")
+    parser.add_argument("--fake-data", action="store_true", help="train on generated images")
+    parser.add_argument("--fake-size", type=int, default=8192, help="generated images")
+    parser.add_argument("--init-timeout", type=int, default=60, help="seconds to wait for ranks")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def fail(message):
+    print(f"pipeline_ddp.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def distributed_env():
+    """(rank, world size, local rank) from torchrun's variables, or else from srun's."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+        how = "start this script with torchrun or srun (see the job script)"
+    else:
+        names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+        how = "export them in the job script before srun (see pipeline_ddp.sbatch)"
+    missing = [name for name in (*names, "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        fail(f"{', '.join(missing)} not set: {how}")
+    rank, world, local_rank = (int(os.environ[name]) for name in names)
+    if world % STAGES:
+        fail(f"{world} processes started: a multiple of {STAGES} needed (replicas x stages)")
+    if not 0 <= rank < world:
+        fail(f"rank {rank} is outside a world of {world} processes ({names[0]}, {names[1]})")
+    return rank, world, local_rank
+
+
+def make_dataset(torch, args):
+    if args.fake_data:
+        generator = torch.Generator().manual_seed(args.seed)  # the same data in every rank
+        labels = torch.randint(0, 10, (args.fake_size,), generator=generator)
+        patterns = torch.randn(10, 3, 32, 32, generator=generator)
+        images = patterns[labels] + torch.randn(args.fake_size, 3, 32, 32, generator=generator)
+        return torch.utils.data.TensorDataset(images, labels)
+    if not (args.data_dir / "cifar-10-batches-py").is_dir():
+        fail(
+            f"no CIFAR-10 in {args.data_dir}: download it once on a login node with "
+            f"python -c \"from torchvision.datasets import CIFAR10; CIFAR10('{args.data_dir}', "
+            'download=True)", or pass --fake-data'
+        )  # never download here: every rank would write the same files at once
+    import torchvision
+
+    transform = torchvision.transforms.Compose(
+        [
+            torchvision.transforms.ToTensor(),
+            torchvision.transforms.Normalize((0.5,) * 3, (0.25,) * 3),
+        ]
+    )
+    return torchvision.datasets.CIFAR10(args.data_dir, train=True, transform=transform)
+
+
+def make_model(torch):
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64 * 8 * 8, 10),
+    )  # fmt: skip
+
+
+def make_stage_module(torch, stage_index, seed):
+    """This rank's part of the model: the same weights in every replica."""
+    torch.manual_seed(seed)
+    model = make_model(torch)
+    return model[:3] if stage_index == 0 else model[3:]  # cut after the first conv block
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.microbatches < STAGES or args.batch_size % args.microbatches:
+        fail(
+            f"--batch-size {args.batch_size} must split into --microbatches {args.microbatches} "
+            f"equal micro-batches, at least {STAGES} (one per stage)"
+        )
+    rank, world, local_rank = distributed_env()
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.nn.parallel import DistributedDataParallel
+
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda and local_rank >= torch.cuda.device_count():
+        fail(
+            f"local rank {local_rank} but {torch.cuda.device_count()} GPUs visible: request one "
+            "GPU per process (--gpus-per-node equal to the processes per node)"
+        )
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    dataset = make_dataset(torch, args)  # before waiting for the other processes
+    if len(dataset) < args.batch_size * (world // STAGES):
+        fail(f"{len(dataset)} images, fewer than one batch for each of {world // STAGES} replicas")
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo",
+            init_method=f"tcp://{address}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=args.init_timeout),
+        )
+        dist.barrier()  # returns only once all processes have joined
+    except (RuntimeError, TimeoutError) as error:  # DistNetworkError and DistStoreError too
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        fail(
+            f"rank {rank}: not all {world} processes reached {address} within "
+            f"{args.init_timeout} s ({first_line}); check that the world size matches the "
+            "processes started and that MASTER_ADDR is the first node of the job"
+        )
+
+    # [mesh-start]
+    replicas = world // STAGES
+    # Rank r is stage r % 2 of replica r // 2: the stages of a replica are neighbours.
+    mesh = init_device_mesh(device.type, (replicas, STAGES), mesh_dim_names=("dp", "pp"))
+    stage_index = mesh["pp"].get_local_rank()
+    replica = mesh["dp"].get_local_rank()
+    dp_group = mesh["dp"].get_group()  # the same stage in every replica
+    module = DistributedDataParallel(
+        make_stage_module(torch, stage_index, args.seed).to(device),
+        device_ids=[local_rank] if use_cuda else None,
+        process_group=dp_group,  # averages gradients across replicas only
+    )
+    stage = PipelineStage(
+        module,
+        stage_index=stage_index,
+        num_stages=STAGES,
+        device=device,
+        group=mesh["pp"].get_group(),  # the stages of this replica
+    )
+    # [mesh-end]
+    schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
+    schedule = schedule_class(
+        stage,
+        n_microbatches=args.microbatches,
+        loss_fn=torch.nn.functional.cross_entropy,  # called by the last stage only
+    )
+    global_batch = args.batch_size * replicas
+    lr = args.lr * global_batch / 256  # linear scaling with the global batch
+    optimizer = torch.optim.SGD(module.parameters(), lr=lr, momentum=0.9)
+
+    # [data-start]
+    sampler = torch.utils.data.distributed.DistributedSampler(
+        dataset, num_replicas=replicas, rank=replica, seed=args.seed, drop_last=True
+    )  # by replica, not by rank: both stages of a replica read the same batches
+    # [data-end]
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        sampler=sampler,
+        drop_last=True,  # every batch splits into equal micro-batches
+        num_workers=args.num_workers,
+        pin_memory=use_cuda,
+        persistent_workers=args.num_workers > 0,
+    )
+    hosts = [None] * world
+    dist.all_gather_object(hosts, os.environ.get("SLURMD_NODENAME", socket.gethostname()))
+    prints = stage.is_last and replica == 0
+    if prints:
+        print(f"{world} processes = {replicas} x {STAGES} (replicas x stages), {device.type} "
+              f"({dist.get_backend()}), schedule {args.schedule}, global batch {global_batch}, "
+              f"learning rate {lr:.4g}")  # fmt: skip
+        for index, ranks in enumerate(mesh.mesh.tolist()):
+            where = ", ".join(f"stage {s} on {hosts[r]} (rank {r})" for s, r in enumerate(ranks))
+            print(f"replica {index}: {where}")
+
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)  # a different shuffle in every epoch, the same in all ranks
+        totals = torch.zeros(2, device=device)  # loss sum, images
+        start = time.perf_counter()
+        for images, labels in loader:
+            optimizer.zero_grad(set_to_none=True)
+            if stage.is_first:
+                schedule.step(images.to(device))
+            else:
+                losses = []  # one loss per micro-batch
+                schedule.step(target=labels.to(device), losses=losses)
+                totals[0] += torch.stack(losses).mean().detach() * len(labels)
+                totals[1] += len(labels)
+            optimizer.step()  # gradients already averaged over the replicas
+        if stage.is_last:
+            dist.all_reduce(totals, group=dp_group)  # sums over the replicas
+        seconds = time.perf_counter() - start
+        if prints:
+            loss_sum, images_seen = totals.tolist()
+            print(f"epoch {epoch + 1}: loss {loss_sum / images_seen:.4f}, "
+                  f"{images_seen / seconds:.0f} images/s")  # fmt: skip
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,208 @@
+"""Train a CNN cut into two pipeline stages, one per process, with torch.distributed.pipelining.
+
+The CNN of ddp.py is cut in two: rank 0 holds the first convolution block, rank 1 the rest.
+Each batch is split into --microbatches micro-batches that flow through the stages, so that
+both stages work at the same time on different micro-batches. --schedule sets the order:
+gpipe runs every forward pass, then every backward pass; 1f1b alternates one forward and one
+backward and keeps fewer activations in memory. Both ranks read the same batches: the first
+stage uses the images, the last stage the labels; it computes the loss and prints it after
+every epoch. Exactly 2 processes, under torchrun or as 2 Slurm tasks; nccl on GPUs, gloo on
+CPUs.
+
+    torchrun --standalone --nproc-per-node=2 pipeline.py --fake-data
+    torchrun --standalone --nproc-per-node=2 pipeline.py --fake-data --schedule 1f1b
+    sbatch pipeline.sbatch --fake-data              # one node, two GPUs
+"""
+
+import argparse
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+
+STAGES = 2  # one process per stage
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe")
+    parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per batch")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, default=64, help="before the split")
+    parser.add_argument("--lr", type=float, default=0.1, help="for a batch of 256")
+    parser.add_argument("--num-workers", type=int, default=2, help="DataLoader workers per rank")
+    parser.add_argument("--data-dir", type=Path, default=Path("data"), help="CIFAR-10 folder")
+    parser.add_argument("--fake-data", action="store_true", help="train on generated images")
+    parser.add_argument("--fake-size", type=int, default=8192, help="generated images")
+    parser.add_argument("--init-timeout", type=int, default=60, help="seconds to wait for ranks")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def fail(message):
+    print(f"pipeline.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def distributed_env():
+    """(rank, world size, local rank) from torchrun's variables, or else from srun's."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+        how = "start this script with torchrun or srun (see the job script)"
+    else:
+        names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+        how = "export them in the job script before srun"
+    missing = [name for name in (*names, "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        fail(f"{', '.join(missing)} not set: {how}")
+    rank, world, local_rank = (int(os.environ[name]) for name in names)
+    if world != STAGES:
+        fail(f"{world} processes started, {STAGES} needed: one per pipeline stage")
+    if not 0 <= rank < world:
+        fail(f"rank {rank} is outside a world of {world} processes ({names[0]}, {names[1]})")
+    return rank, world, local_rank
+
+
+def make_dataset(torch, args):
+    if args.fake_data:
+        generator = torch.Generator().manual_seed(args.seed)  # the same data in every rank
+        labels = torch.randint(0, 10, (args.fake_size,), generator=generator)
+        patterns = torch.randn(10, 3, 32, 32, generator=generator)
+        images = patterns[labels] + torch.randn(args.fake_size, 3, 32, 32, generator=generator)
+        return torch.utils.data.TensorDataset(images, labels)
+    if not (args.data_dir / "cifar-10-batches-py").is_dir():
+        fail(
+            f"no CIFAR-10 in {args.data_dir}: download it once on a login node with "
+            f"python -c \"from torchvision.datasets import CIFAR10; CIFAR10('{args.data_dir}', "
+            'download=True)", or pass --fake-data'
+        )  # never download here: both ranks would write the same files at once
+    import torchvision
+
+    transform = torchvision.transforms.Compose(
+        [
+            torchvision.transforms.ToTensor(),
+            torchvision.transforms.Normalize((0.5,) * 3, (0.25,) * 3),
+        ]
+    )
+    return torchvision.datasets.CIFAR10(args.data_dir, train=True, transform=transform)
+
+
+def make_model(torch):
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(64 * 8 * 8, 10),
+    )  # fmt: skip
+
+
+def make_stage_module(torch, stage_index, seed):
+    """This rank's part of the model: the same weights as the whole model would have."""
+    torch.manual_seed(seed)
+    model = make_model(torch)
+    return model[:3] if stage_index == 0 else model[3:]  # cut after the first conv block
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.microbatches < STAGES or args.batch_size % args.microbatches:
+        fail(
+            f"--batch-size {args.batch_size} must split into --microbatches {args.microbatches} "
+            f"equal micro-batches, at least {STAGES} (one per stage)"
+        )
+    rank, world, local_rank = distributed_env()
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda and local_rank >= torch.cuda.device_count():
+        fail(
+            f"local rank {local_rank} but {torch.cuda.device_count()} GPUs visible: request one "
+            f"GPU per stage (#SBATCH --gpus-per-node={STAGES})"
+        )
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    dataset = make_dataset(torch, args)  # before waiting for the other processes
+    if len(dataset) < args.batch_size:
+        fail(f"{len(dataset)} images, fewer than one batch of {args.batch_size}")
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo",
+            init_method=f"tcp://{address}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=args.init_timeout),
+        )
+        dist.barrier()  # returns only once all processes have joined
+    except (RuntimeError, TimeoutError) as error:  # DistNetworkError and DistStoreError too
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        fail(
+            f"rank {rank}: not all {world} processes reached {address} within "
+            f"{args.init_timeout} s ({first_line}); check that the world size matches the "
+            "processes started and that MASTER_ADDR is the first node of the job"
+        )
+
+    # [pipeline-start]
+    stage = PipelineStage(
+        make_stage_module(torch, rank, args.seed).to(device),
+        stage_index=rank,
+        num_stages=STAGES,
+        device=device,
+    )  # sends activations to the next stage, gradients to the one before
+    schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[args.schedule]
+    schedule = schedule_class(
+        stage,
+        n_microbatches=args.microbatches,
+        loss_fn=torch.nn.functional.cross_entropy,  # called by the last stage only
+    )
+    # [pipeline-end]
+    lr = args.lr * args.batch_size / 256
+    optimizer = torch.optim.SGD(stage.submod.parameters(), lr=lr, momentum=0.9)
+
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(args.seed),  # the same order in both ranks
+        drop_last=True,  # every batch splits into equal micro-batches
+        num_workers=args.num_workers,
+        pin_memory=use_cuda,
+        persistent_workers=args.num_workers > 0,
+    )
+    if stage.is_last:
+        print(f"{STAGES} stages, {device.type} ({dist.get_backend()}), schedule {args.schedule}, "
+              f"{args.microbatches} micro-batches of {args.batch_size // args.microbatches} "
+              f"images, learning rate {lr:.4g}")  # fmt: skip
+
+    # [train-start]
+    for epoch in range(args.epochs):
+        loss_sum, images_seen = 0.0, 0
+        start = time.perf_counter()
+        for images, labels in loader:
+            optimizer.zero_grad(set_to_none=True)
+            if stage.is_first:
+                schedule.step(images.to(device))  # forward and backward of every micro-batch
+            else:
+                losses = []  # one loss per micro-batch
+                schedule.step(target=labels.to(device), losses=losses)
+                loss_sum += torch.stack(losses).mean().item() * len(labels)
+                images_seen += len(labels)
+            optimizer.step()  # each stage updates its own parameters
+        seconds = time.perf_counter() - start
+        if stage.is_last:
+            print(f"epoch {epoch + 1}: loss {loss_sum / images_seen:.4f}, "
+                  f"{images_seen / seconds:.0f} images/s")  # fmt: skip
+    # [train-end]
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
