@@ -2,7 +2,8 @@
 # Install the system tools the tests use (Debian/Ubuntu, as root): gettext (msgfmt),
 # ShellCheck, Lmod (environment modules for the job scripts) and the site file that defines
 # `module` in batch jobs (/etc/profile.d/modules.sh), Node.js (search index and workflow
-# linting), g++ and cmake. Does nothing when all are present. Without root it lists what is
+# linting), g++ and cmake (Horovod, LibTorch, DeepSpeed's ops) and libaio (DeepSpeed's NVMe
+# offload). Does nothing when all are present. Without root it lists what is
 # missing; the tests that need it then skip, saying why. The Slurm and Grid Engine daemons
 # are installed by tests/slurm/cluster.sh and tests/gridengine/cell.sh when the tests start them.
 set -euo pipefail
@@ -14,6 +15,7 @@ command -v node >/dev/null || need+=(nodejs)
 command -v npm >/dev/null || need+=(npm)
 command -v g++ >/dev/null || need+=(g++)
 command -v cmake >/dev/null || need+=(cmake)
+[[ -f /usr/include/libaio.h ]] || need+=(libaio-dev)
 site_modules=/etc/profile.d/modules.sh
 install_site_modules() {
     if [[ ! -f $site_modules && $(id -u) -eq 0 ]]; then

@@ -138,6 +138,19 @@ JOBS = {
             "epoch 2: loss ",
         ),
     ),
+    "deepspeed/deepspeed.sbatch": Job(
+        files=("deepspeed/deepspeed_train.py", "deepspeed/ds_zero3.json"),
+        args=tuple(
+            "--device cpu --fake-size 512 --width 64 --layers 2 --epochs 2 --lr 0.01".split()
+        ),
+        expect=(
+            "Job {job_id}: 2 processes on n1, rendezvous at n1:",
+            "-ds-{job_id}",
+            "2 processes, cpu (gloo), ZeRO stage 3, 8,970 parameters, optimizer AdamW",
+            "offload: parameters none, optimizer states none",
+            "epoch 2: loss ",
+        ),
+    ),
     "benchmark/resnet_benchmark.sbatch": Job(
         files=("benchmark/resnet_benchmark.py",),
         args=("--quick", "--device", "cpu", "--precisions", "float", "--output-dir", "results"),

@@ -1,0 +1,213 @@
+"""Train a model with DeepSpeed ZeRO stage 3, its states on the GPUs, in CPU memory or on NVMe.
+
+ZeRO stage 3 splits the parameters, the gradients and the optimizer states of the model between
+the processes: each keeps 1/N of them and gathers the parameters of a layer only while it
+computes that layer. The --config file says where the shards live: ds_zero3.json keeps them on
+the GPUs, ds_zero3_offload_cpu.json in CPU memory (DeepSpeedCPUAdam updates them there), and
+ds_zero3_offload_nvme.json in files on the node-local disk given by --nvme-dir. The script runs
+under torchrun or the deepspeed launcher (RANK, WORLD_SIZE, LOCAL_RANK) or as one Slurm task
+per GPU (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID); MASTER_ADDR and MASTER_PORT say where
+rank 0 waits. It trains an MLP on generated data; rank 0 prints the loss of every epoch.
+
+    torchrun --standalone --nproc-per-node=2 deepspeed_train.py --config ds_zero3.json
+    torchrun --standalone --nproc-per-node=2 deepspeed_train.py --config ds_zero3_offload_cpu.json
+    deepspeed --num_gpus=2 deepspeed_train.py --config ds_zero3_offload_nvme.json --nvme-dir DIR
+    sbatch deepspeed.sbatch --config ds_zero3_offload_nvme.json     # one Slurm task per GPU
+"""
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--config", type=Path, default=Path("ds_zero3.json"), help="DeepSpeed JSON")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--batch-size", type=int, help="per process (default: from --config)")
+    parser.add_argument("--lr", type=float, help="learning rate (default: from --config)")
+    parser.add_argument("--fake-size", type=int, default=4096, help="generated samples")
+    parser.add_argument("--width", type=int, default=1024, help="hidden units per layer")
+    parser.add_argument("--layers", type=int, default=4, help="hidden layers")
+    parser.add_argument(
+        "--nvme-dir", type=Path, help="node-local folder for NVMe offload "
+        "(default: $SLURM_TMPDIR, else /tmp/$USER-ds-$SLURM_JOB_ID)",
+    )  # fmt: skip
+    parser.add_argument("--init-timeout", type=int, default=60, help="seconds to wait for ranks")
+    parser.add_argument("--seed", type=int, default=0)
+    # The deepspeed launcher passes --local_rank; the script reads LOCAL_RANK, which it sets too.
+    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def fail(message):
+    print(f"deepspeed_train.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def distributed_env():
+    """(rank, world size, local rank) from torchrun's variables, or else from srun's."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+        how = "start this script with torchrun, deepspeed or srun (see deepspeed.sbatch)"
+    else:
+        names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+        how = "export them in the job script before srun (see deepspeed.sbatch)"
+    missing = [name for name in (*names, "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        fail(f"{', '.join(missing)} not set: {how}")
+    rank, world, local_rank = (int(os.environ[name]) for name in names)
+    if not 0 <= rank < world:
+        fail(f"rank {rank} is outside a world of {world} processes ({names[0]}, {names[1]})")
+    # DeepSpeed reads LOCAL_RANK itself, also when srun started the process.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
+    return rank, world, local_rank
+
+
+def nvme_folder(args):
+    """The node-local folder for the NVMe swap files: made by the job script, never shared."""
+    if args.nvme_dir is None and "SLURM_TMPDIR" in os.environ:
+        args.nvme_dir = Path(os.environ["SLURM_TMPDIR"])
+    elif args.nvme_dir is None and "SLURM_JOB_ID" in os.environ:
+        user = os.environ.get("USER", "user")
+        args.nvme_dir = Path("/tmp") / f"{user}-ds-{os.environ['SLURM_JOB_ID']}"
+    elif args.nvme_dir is None:
+        fail("NVMe offload needs a folder and SLURM_TMPDIR, SLURM_JOB_ID are not set: pass "
+             "--nvme-dir with a folder on a node-local disk")  # fmt: skip
+    if not args.nvme_dir.is_dir():
+        fail(f"NVMe folder {args.nvme_dir} does not exist: create it in the job script "
+             "(see deepspeed.sbatch)")  # fmt: skip
+    if not os.access(args.nvme_dir, os.W_OK | os.X_OK):
+        fail(f"NVMe folder {args.nvme_dir} is not writable: pass --nvme-dir with a folder of yours")
+    return args.nvme_dir
+
+
+def load_config(args):
+    """The JSON file, with the values of this run filled in (DeepSpeed also takes a dict)."""
+    try:
+        config = json.loads(args.config.read_text())
+    except (OSError, ValueError) as error:
+        fail(f"cannot read --config {args.config}: {error}")
+    if args.batch_size:
+        config["train_micro_batch_size_per_gpu"] = args.batch_size
+    if args.lr:
+        config.setdefault("optimizer", {"type": "AdamW"}).setdefault("params", {})["lr"] = args.lr
+    zero = config.setdefault("zero_optimization", {})
+    for part in ("offload_param", "offload_optimizer"):
+        if zero.get(part, {}).get("device") == "nvme":
+            zero[part]["nvme_path"] = str(nvme_folder(args))
+    return config
+
+
+def make_dataset(torch, args):
+    generator = torch.Generator().manual_seed(args.seed)  # the same data in every rank
+    inputs = torch.randn(args.fake_size, args.width, generator=generator)
+    teacher = torch.randn(args.width, 10, generator=generator)  # labels a model can learn
+    return torch.utils.data.TensorDataset(inputs, (inputs @ teacher).argmax(dim=1))
+
+
+def make_model(torch, args):
+    nn = torch.nn
+    layers = []
+    for _ in range(args.layers):
+        layers += [nn.Linear(args.width, args.width), nn.GELU()]
+    return nn.Sequential(*layers, nn.Linear(args.width, 10))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rank, world, local_rank = distributed_env()
+    config = load_config(args)
+    import torch
+    import torch.distributed as dist
+
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda and torch.cuda.device_count() == 0:
+        fail("--device cuda but no GPU is visible: request GPUs with #SBATCH --gpus-per-node=2")
+    if use_cuda and local_rank >= torch.cuda.device_count():
+        fail(
+            f"local rank {local_rank} but {torch.cuda.device_count()} GPUs visible: request one "
+            "GPU per process (--gpus-per-node equal to the processes per node)"
+        )
+    if use_cuda:
+        torch.cuda.set_device(local_rank)
+    os.environ["DS_ACCELERATOR"] = "cuda" if use_cuda else "cpu"  # read when deepspeed loads
+    # DeepSpeed 0.19 still calls the collectives that torch 2.13 renamed.
+    warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
+    import deepspeed
+
+    address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo",
+            init_method=f"tcp://{address}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=args.init_timeout),
+        )
+        dist.barrier()  # returns only once all processes have joined
+    except (RuntimeError, TimeoutError) as error:  # DistNetworkError and DistStoreError too
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        fail(
+            f"rank {rank}: not all {world} processes reached {address} within "
+            f"{args.init_timeout} s ({first_line}); check that the world size matches the "
+            "processes started and that MASTER_ADDR is the first node of the job"
+        )
+
+    dataset = make_dataset(torch, args)
+    sampler = torch.utils.data.distributed.DistributedSampler(dataset, seed=args.seed)
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=config["train_micro_batch_size_per_gpu"], sampler=sampler
+    )
+    torch.manual_seed(args.seed)
+    # Under zero.Init each layer is split between the processes as soon as it is created:
+    # no process ever holds the whole model.
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = make_model(torch, args)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    if rank == 0:
+        zero = config["zero_optimization"]
+        params_to, states_to = (zero.get(part, {}).get("device", "none")
+                                for part in ("offload_param", "offload_optimizer"))  # fmt: skip
+        parameters = sum(p.ds_numel for p in model.parameters())  # full sizes, not the shards
+        print(f"{world} processes, {engine.device.type} ({dist.get_backend()}), ZeRO stage "
+              f"{engine.zero_optimization_stage()}, {parameters:,} parameters, optimizer "
+              f"{type(engine.basic_optimizer).__name__}")  # fmt: skip
+        print(f"offload: parameters {params_to}, optimizer states {states_to}")
+        if "nvme" in (params_to, states_to):
+            print(f"NVMe swap files in {args.nvme_dir}")
+
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        totals = torch.zeros(2, device=engine.device)  # loss sum, samples
+        start = time.perf_counter()
+        for inputs, labels in loader:
+            inputs, labels = inputs.to(engine.device), labels.to(engine.device)
+            loss = torch.nn.functional.cross_entropy(engine(inputs), labels)
+            engine.backward(loss)  # each rank keeps the gradients of its own shard
+            engine.step()  # each rank updates its own shard
+            totals[0] += loss.detach() * len(labels)
+            totals[1] += len(labels)
+        dist.all_reduce(totals)
+        seconds = time.perf_counter() - start
+        if rank == 0:
+            loss_sum, samples = totals.tolist()
+            print(f"epoch {epoch + 1}: loss {loss_sum / samples:.4f}, "
+                  f"{samples / seconds:.0f} samples/s")  # fmt: skip
+    engine.destroy()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

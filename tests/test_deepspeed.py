@@ -1,0 +1,289 @@
+"""examples/deepspeed/: DeepSpeed ZeRO stage 3 on CPU with gloo, without offload and with CPU and
+NVMe offload; Lightning's DeepSpeedStrategy, which needs CUDA GPUs, in the GPU suite."""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import EXAMPLES, HAS_CUDA, example_env, run
+
+DS = EXAMPLES / "deepspeed"
+TRAIN = DS / "deepspeed_train.py"
+LIGHTNING = DS / "lightning_deepspeed.py"
+ZERO3 = DS / "ds_zero3.json"
+OFFLOAD_CPU = DS / "ds_zero3_offload_cpu.json"
+OFFLOAD_NVME = DS / "ds_zero3_offload_nvme.json"
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+TINY = ["--device", "cpu", "--fake-size", "512", "--width", "64", "--layers", "2",
+        "--epochs", "3", "--lr", "0.01"]  # fmt: skip
+HEADER = "2 processes, cpu (gloo), ZeRO stage 3, 8,970 parameters, optimizer"
+# DeepSpeed compiles its C++ ops on first use (minutes on 2 cores) into TORCH_EXTENSIONS_DIR:
+# one folder for all the tests (make exports one), so that only the first run pays.
+EXTENSIONS = os.environ.get("TORCH_EXTENSIONS_DIR") or "/tmp/pytorch-on-hpc-cache/torch_extensions"
+NOT_ON_GPU = pytest.mark.skipif(HAS_CUDA, reason="checks the message given when no GPU is visible")
+
+
+def ds_env(**extra):
+    return example_env(TORCH_EXTENSIONS_DIR=EXTENSIONS, OMP_NUM_THREADS=1, **extra)
+
+
+COMPILED = {}
+
+
+def compile_ops(record_property, *builders):
+    """Compile DeepSpeed's CPU ops into the shared cache before a run, so that the runs are
+    timed warm; record how long each took the first time (a compile on a cold cache, a check
+    of the cache otherwise)."""
+    for builder in builders:
+        if builder in COMPILED:
+            continue
+        code = (
+            "from deepspeed.accelerator import get_accelerator as a\n"
+            f"a().create_op_builder({builder!r}).load()"
+        )
+        start = time.perf_counter()
+        run([sys.executable, "-c", code], cwd=tempfile.gettempdir(),
+            env=ds_env(DS_ACCELERATOR="cpu"), timeout=3600)  # fmt: skip
+        COMPILED[builder] = time.perf_counter() - start
+        record_property("timing", f"DeepSpeed {builder} op ready: {COMPILED[builder]:.1f} s")
+
+
+def losses(out):
+    return [float(x) for x in re.findall(r"^epoch \d+: loss (\S+), \d+ samples/s$", out, re.M)]
+
+
+def free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launched(**extra):
+    """What torchrun gives a single process, plus extra variables."""
+    return ds_env(RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=free_port(), **extra)  # fmt: skip
+
+
+def torchrun(args, tmp_path, record_property, what):
+    start = time.perf_counter()
+    proc = run([*TORCHRUN, "--nproc-per-node=2", TRAIN, *args], cwd=tmp_path, env=ds_env(),
+               timeout=600)  # fmt: skip
+    record_property("timing", f"DeepSpeed {what}, 2 processes: {time.perf_counter() - start:.1f} s")
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc.stdout
+
+
+def test_zero3_trains_on_two_processes(tmp_path, record_property):
+    compile_ops(record_property, "ShareMemCommBuilder")
+    out = torchrun(["--config", ZERO3, *TINY], tmp_path, record_property, "ZeRO-3")
+    assert f"{HEADER} AdamW\n" in out, out
+    assert "offload: parameters none, optimizer states none" in out, out
+    assert len(losses(out)) == 3 and losses(out)[-1] < losses(out)[0], out
+
+
+def test_the_deepspeed_launcher_starts_it_too(tmp_path, record_property):
+    """DeepSpeed's launcher passes --local_rank, which the script accepts."""
+    compile_ops(record_property, "ShareMemCommBuilder")
+    launcher = Path(sys.executable).parent / "deepspeed"
+    start = time.perf_counter()
+    out = run([launcher, "--num_gpus=2", TRAIN, "--config", ZERO3, *TINY], cwd=tmp_path,
+              env=ds_env(), timeout=600).stdout  # fmt: skip
+    record_property(
+        "timing", f"DeepSpeed launcher, 2 processes: {time.perf_counter() - start:.1f} s"
+    )
+    assert f"{HEADER} AdamW\n" in out, out
+    assert len(losses(out)) == 3 and losses(out)[-1] < losses(out)[0], out
+
+
+def test_cpu_offload_with_srun_style_tasks(tmp_path, record_property):
+    """One process per Slurm task, as deepspeed.sbatch starts them; DeepSpeedCPUAdam updates
+    the offloaded optimizer states."""
+    compile_ops(record_property, "ShareMemCommBuilder", "CPUAdamBuilder")
+    port = free_port()
+    start = time.perf_counter()
+    procs = []
+    for rank in range(2):
+        env = ds_env(SLURM_PROCID=rank, SLURM_NTASKS=2, SLURM_LOCALID=rank,
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT=port)  # fmt: skip
+        procs.append(subprocess.Popen(
+            [sys.executable, TRAIN, "--config", OFFLOAD_CPU, *TINY], cwd=tmp_path, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        ))  # fmt: skip
+    outputs = [proc.communicate(timeout=600) for proc in procs]
+    record_property("timing", f"DeepSpeed CPU offload, 2 srun-style tasks: "
+                              f"{time.perf_counter() - start:.1f} s")  # fmt: skip
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    out = outputs[0][0]
+    assert f"{HEADER} DeepSpeedCPUAdam\n" in out, out
+    assert "offload: parameters cpu, optimizer states cpu" in out, out
+    assert "epoch" not in outputs[1][0]  # only rank 0 prints
+    assert len(losses(out)) == 3 and losses(out)[-1] < losses(out)[0], out
+
+
+def libaio_found(accelerator="cpu"):
+    """DeepSpeed's own check for what its async_io op (NVMe offload) is built with."""
+    code = (
+        "from deepspeed.accelerator import get_accelerator as a\n"
+        "print(a().create_op_builder('AsyncIOBuilder').is_compatible())"
+    )
+    env = ds_env(DS_ACCELERATOR=accelerator)
+    out = run([sys.executable, "-c", code], cwd=tempfile.gettempdir(), env=env).stdout
+    return out.strip().splitlines()[-1] == "True"
+
+
+NO_LIBAIO = "DeepSpeed's async_io op needs libaio: apt-get install libaio-dev (as root)"
+
+
+def test_nvme_offload_swaps_to_the_folder(tmp_path, record_property):
+    if not libaio_found():
+        pytest.skip(NO_LIBAIO)
+    compile_ops(record_property, "ShareMemCommBuilder", "CPUAdamBuilder", "AsyncIOBuilder")
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    args = ["--config", OFFLOAD_NVME, "--nvme-dir", nvme, *TINY]
+    out = torchrun(args, tmp_path, record_property, "NVMe offload")
+    assert f"{HEADER} DeepSpeedCPUAdam\n" in out, out
+    assert "offload: parameters nvme, optimizer states nvme" in out, out
+    assert f"NVMe swap files in {nvme}" in out
+    assert len(losses(out)) == 3 and losses(out)[-1] < losses(out)[0], out
+    swapped = {path.name for path in (nvme / "zero_stage_3").iterdir()}
+    assert swapped == {"float32params", "optimizer"}, swapped  # one folder per rank in each
+
+
+def test_without_a_launcher_it_names_the_missing_variables(tmp_path):
+    proc = run([sys.executable, TRAIN], cwd=tmp_path, env=ds_env(), expect_rc=2)
+    assert proc.stderr == (
+        "deepspeed_train.py: error: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT not "
+        "set: start this script with torchrun, deepspeed or srun (see deepspeed.sbatch)\n"
+    )
+
+
+def test_srun_without_master_variables_names_them(tmp_path):
+    env = ds_env(SLURM_PROCID=0, SLURM_NTASKS=2, SLURM_LOCALID=0)
+    proc = run([sys.executable, TRAIN], cwd=tmp_path, env=env, expect_rc=2)
+    assert "MASTER_ADDR, MASTER_PORT not set: export them in the job script" in proc.stderr
+
+
+def test_nvme_offload_without_a_folder_says_what_to_pass(tmp_path):
+    proc = run([sys.executable, TRAIN, "--config", OFFLOAD_NVME], cwd=tmp_path,
+               env=launched(), expect_rc=2)  # fmt: skip
+    assert proc.stderr == (
+        "deepspeed_train.py: error: NVMe offload needs a folder and SLURM_TMPDIR, SLURM_JOB_ID "
+        "are not set: pass --nvme-dir with a folder on a node-local disk\n"
+    )
+
+
+@pytest.mark.parametrize("variable", ["SLURM_TMPDIR", "SLURM_JOB_ID"])
+def test_nvme_folder_of_the_job_must_exist(tmp_path, variable):
+    """The default folder comes from the job: $SLURM_TMPDIR, else /tmp/$USER-ds-<job id>."""
+    value = str(tmp_path / "gone") if variable == "SLURM_TMPDIR" else "424242"
+    env = launched(USER="alice", **{variable: value})
+    proc = run([sys.executable, TRAIN, "--config", OFFLOAD_NVME], cwd=tmp_path, env=env,
+               expect_rc=2)  # fmt: skip
+    folder = value if variable == "SLURM_TMPDIR" else "/tmp/alice-ds-424242"
+    assert proc.stderr == (
+        f"deepspeed_train.py: error: NVMe folder {folder} does not exist: create it in the job "
+        "script (see deepspeed.sbatch)\n"
+    )
+
+
+def test_a_missing_config_is_named(tmp_path):
+    proc = run([sys.executable, TRAIN, "--config", "nowhere.json"], cwd=tmp_path,
+               env=launched(), expect_rc=2)  # fmt: skip
+    assert proc.stderr.startswith("deepspeed_train.py: error: cannot read --config nowhere.json")
+    assert proc.stderr.count("\n") == 1
+
+
+@NOT_ON_GPU
+def test_cuda_without_a_gpu_says_how_to_request_one(tmp_path):
+    args = ["--config", ZERO3, "--device", "cuda"]
+    proc = run([sys.executable, TRAIN, *args], cwd=tmp_path, env=launched(), expect_rc=2)
+    assert proc.stderr == (
+        "deepspeed_train.py: error: --device cuda but no GPU is visible: request GPUs with "
+        "#SBATCH --gpus-per-node=2\n"
+    )
+
+
+def test_a_missing_process_stops_the_run_within_seconds(tmp_path):
+    """WORLD_SIZE says 2, one process starts: a clear message after --init-timeout, no hang."""
+    env = ds_env(RANK=0, WORLD_SIZE=2, LOCAL_RANK=0, MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=free_port())  # fmt: skip
+    start = time.monotonic()
+    args = ["--config", ZERO3, *TINY, "--init-timeout", "3"]
+    proc = run([sys.executable, TRAIN, *args], cwd=tmp_path, env=env, expect_rc=2, timeout=60)
+    assert time.monotonic() - start < 30
+    assert "rank 0: not all 2 processes reached 127.0.0.1:" in proc.stderr
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+@NOT_ON_GPU
+def test_lightning_without_a_gpu_stops_with_one_line(tmp_path):
+    proc = run([sys.executable, LIGHTNING], cwd=tmp_path, env=ds_env(), expect_rc=2)
+    assert proc.stderr == (
+        "lightning_deepspeed.py: error: Lightning's DeepSpeedStrategy runs on CUDA GPUs only "
+        "and none is visible: request them with #SBATCH --gpus-per-node=2 (on CPUs, use "
+        "deepspeed_train.py)\n"
+    )
+
+
+def test_lightning_refuses_the_strategy_on_cpu(tmp_path):
+    """Why lightning_deepspeed.py stops without a GPU: Lightning itself would raise."""
+    code = (
+        "import lightning as L\n"
+        "from lightning.pytorch.demos.boring_classes import BoringModel\n"
+        "from lightning.pytorch.strategies import DeepSpeedStrategy\n"
+        "strategy = DeepSpeedStrategy(stage=3)\n"
+        "trainer = L.Trainer(accelerator='cpu', devices=1, strategy=strategy, logger=False)\n"
+        "trainer.fit(BoringModel())\n"
+    )
+    proc = run([sys.executable, "-c", code], cwd=tmp_path, env=ds_env(), expect_rc=1)
+    assert (
+        "RuntimeError: The DeepSpeed strategy is only supported on CUDA GPUs but "
+        "`CPUAccelerator` is used." in proc.stderr
+    ), proc.stderr
+
+
+def test_job_script_gives_each_job_its_own_folders():
+    """deepspeed.sbatch: one task per GPU; a per-user op cache; the NVMe folder of this job
+    only, removed at the end when the job made it. The run under Slurm is in test_slurm.py."""
+    text = (EXAMPLES / "deepspeed" / "deepspeed.sbatch").read_text()
+    setting = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", text, re.M))
+    assert setting["ntasks-per-node"] == setting["gpus-per-node"] == "2"
+    assert "TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions/" in text
+    assert "nvme_dir=$SLURM_TMPDIR" in text
+    assert "nvme_dir=/tmp/${USER:-$(id -un)}-ds-$SLURM_JOB_ID" in text
+    assert """trap 'rm -rf "$nvme_dir"' EXIT""" in text
+    assert 'srun python deepspeed_train.py --nvme-dir "$nvme_dir" "$@"' in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [ZERO3, OFFLOAD_CPU, OFFLOAD_NVME], ids=lambda p: p.stem)
+def test_zero3_on_the_gpus(tmp_path, config):
+    if config == OFFLOAD_NVME and not libaio_found("cuda"):
+        pytest.skip(NO_LIBAIO)
+    gpus = torch.cuda.device_count()
+    (tmp_path / "nvme").mkdir()
+    args = ["--device", "cuda", "--config", config, "--nvme-dir", tmp_path / "nvme",
+            "--epochs", "2"]  # fmt: skip
+    out = run([*TORCHRUN, f"--nproc-per-node={gpus}", TRAIN, *args], cwd=tmp_path, env=ds_env(),
+              timeout=1200).stdout  # fmt: skip
+    assert f"{gpus} processes, cuda (nccl), ZeRO stage 3" in out, out
+    assert losses(out)[-1] < losses(out)[0], out
+
+
+@pytest.mark.gpu
+def test_lightning_deepspeed_on_the_gpus(tmp_path):
+    gpus = torch.cuda.device_count()
+    args = ["--devices", gpus, "--epochs", "2", "--fake-size", "2048"]
+    out = run([sys.executable, LIGHTNING, *args], cwd=tmp_path, env=ds_env(), timeout=1200).stdout
+    assert f"{gpus} processes, ZeRO stage 3, optimizer states offloaded to CPU" in out, out
+    found = [float(x) for x in re.findall(r"^epoch \d+: loss (\S+)$", out, re.M)]
+    assert len(found) == 2 and found[-1] < found[0], out
