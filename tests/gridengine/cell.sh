@@ -50,7 +50,7 @@ up() {
     # This machine's name resolves to 127.0.0.1, whose name is localhost: the same host.
     echo "$host localhost" > "$common/host_aliases"
     /usr/sbin/sge_qmaster
-    wait_for 20 "sge_qmaster start" qconf -sh
+    wait_for 60 "sge_qmaster start" qconf -sh
 
     qconf -sh | grep -qx "$host" || qconf -ah "$host" >/dev/null
     qconf -ss | grep -qx "$host" || qconf -as "$host" >/dev/null
@@ -79,7 +79,7 @@ up() {
             "s/^shell_start_mode .*/shell_start_mode unix_behavior/"
     fi
     /usr/sbin/sge_execd
-    wait_for 30 "the execution host reporting" bash -c "qstat -f | grep -q 'all.q@.*lx-amd64 *$'"
+    wait_for 120 "the execution host reporting" bash -c "qstat -f | grep -q 'all.q@.*lx-amd64 *$'"
     echo "Grid Engine cell up in ${SECONDS} s: queue all.q on $host (4 slots, PE smp, gpu=2)"
     echo "export SGE_ROOT=$SGE_ROOT SGE_CELL=$SGE_CELL"
 }

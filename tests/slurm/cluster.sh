@@ -47,7 +47,7 @@ up() {
         --pid-file "$run/munge/munged.pid" --log-file "$run/munge/munged.log" \
         --seed-file "$run/munge/munged.seed"
     cp "$run/munge/munged.pid" "$run/munged.pid"
-    wait_for 10 "munge" bash -c "munge -n -S '$run/munge/munge.socket' | unmunge -S '$run/munge/munge.socket'"
+    wait_for 30 "munge" bash -c "munge -n -S '$run/munge/munge.socket' | unmunge -S '$run/munge/munge.socket'"
 
     # Node names resolve on a real cluster (jobs use them as MASTER_ADDR): here both are this machine.
     grep -qE '^127\.0\.0\.1[[:space:]].*\bn1 n2\b' /etc/hosts || echo "127.0.0.1 n1 n2" >> /etc/hosts
@@ -58,10 +58,10 @@ up() {
     cp "$here/gres.conf" "$run/etc/gres.conf"
 
     slurmctld -c
-    wait_for 10 "slurmctld start" scontrol ping
+    wait_for 30 "slurmctld start" scontrol ping
     slurmd -N n1
     slurmd -N n2
-    wait_for 30 "both nodes idle" nodes_idle
+    wait_for 60 "both nodes idle" nodes_idle
     echo "Slurm cluster up in ${SECONDS} s: nodes n1 and n2 (16 CPUs, 64 GB, 2 GPUs each)"
     echo "export SLURM_CONF=$SLURM_CONF"
 }
