@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -265,3 +266,16 @@ def horovod_venv(tmp_path_factory, worker_id):
             built.write_text(json.dumps([proc.stdout, time.perf_counter() - start]))
     out, seconds = json.loads(built.read_text())
     return folder / "venv", out, seconds
+
+
+def epoch_losses(out, prefix="", unit="images/s"):
+    """The losses of the lines `epoch N: loss X, R <unit>` a training script printed."""
+    pattern = rf"^{re.escape(prefix)}epoch \d+: loss (\S+), \d+ {re.escape(unit)}"
+    return [float(x) for x in re.findall(pattern, out, re.M)]
+
+
+def free_port():
+    """A TCP port that is free now, for a rendezvous the test sets up itself."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

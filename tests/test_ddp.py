@@ -2,7 +2,6 @@
 
 import csv
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -10,7 +9,7 @@ import time
 import pytest
 import torch
 
-from conftest import EXAMPLES, example_env, run
+from conftest import EXAMPLES, epoch_losses, example_env, free_port, run
 
 DDP = EXAMPLES / "ddp" / "ddp.py"
 SCALING = EXAMPLES / "ddp" / "ddp_scaling.py"
@@ -18,14 +17,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 TINY = ["--device", "cpu", "--fake-data", "--fake-size", "1024", "--epochs", "3"]
 
 
-def losses(out):
-    return [float(x) for x in re.findall(r"^epoch \d+: loss (\S+), \d+ images/s$", out, re.M)]
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+losses = epoch_losses
 
 
 def test_torchrun_trains_two_replicas(tmp_path):
@@ -82,7 +74,7 @@ def test_a_missing_process_stops_the_run_within_seconds(tmp_path):
     start = time.monotonic()
     proc = run([sys.executable, DDP, *TINY, "--init-timeout", "3"], cwd=tmp_path, env=env,
                expect_rc=2, timeout=60)  # fmt: skip
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < 30  # imports under load take most of it; no hang
     assert "rank 0: not all 2 processes reached 127.0.0.1:" in proc.stderr
     assert "check that the world size matches the processes started" in proc.stderr
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr

@@ -3,7 +3,6 @@ NVMe offload; Lightning's DeepSpeedStrategy, which needs CUDA GPUs, in the GPU s
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import EXAMPLES, HAS_CUDA, example_env, run
+from conftest import EXAMPLES, HAS_CUDA, epoch_losses, example_env, free_port, run
 
 DS = EXAMPLES / "deepspeed"
 TRAIN = DS / "deepspeed_train.py"
@@ -29,6 +28,10 @@ HEADER = "2 processes, cpu (gloo), ZeRO stage 3, 8,970 parameters, optimizer"
 # one folder for all the tests (make exports one), so that only the first run pays.
 EXTENSIONS = os.environ.get("TORCH_EXTENSIONS_DIR") or "/tmp/pytorch-on-hpc-cache/torch_extensions"
 NOT_ON_GPU = pytest.mark.skipif(HAS_CUDA, reason="checks the message given when no GPU is visible")
+
+
+def losses(out):
+    return epoch_losses(out, unit="samples/s")
 
 
 def ds_env(**extra):
@@ -54,16 +57,6 @@ def compile_ops(record_property, *builders):
             env=ds_env(DS_ACCELERATOR="cpu"), timeout=3600)  # fmt: skip
         COMPILED[builder] = time.perf_counter() - start
         record_property("timing", f"DeepSpeed {builder} op ready: {COMPILED[builder]:.1f} s")
-
-
-def losses(out):
-    return [float(x) for x in re.findall(r"^epoch \d+: loss (\S+), \d+ samples/s$", out, re.M)]
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def launched(**extra):

@@ -1,7 +1,6 @@
 """examples/fsdp/: FSDP2 (fully_shard) under torchrun and as srun tasks, on CPU with gloo."""
 
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -9,7 +8,7 @@ import time
 import pytest
 import torch
 
-from conftest import EXAMPLES, example_env, run
+from conftest import EXAMPLES, epoch_losses, example_env, free_port, run
 
 FSDP = EXAMPLES / "fsdp" / "fsdp_train.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -19,20 +18,13 @@ TINY = ["--device", "cpu", "--fake-data", "--fake-size", "512", "--epochs", "2",
 TOTAL = 658_826
 
 
-def losses(out):
-    return [float(x) for x in re.findall(r"^epoch \d+: loss (\S+), \d+ images/s", out, re.M)]
+losses = epoch_losses
 
 
 def holdings(out):
     """{rank: (parameters held, parameters of the full model)} from rank 0's lines."""
     found = re.findall(r"^rank (\d+) on \S+ holds ([\d,]+) of ([\d,]+) parameters", out, re.M)
     return {int(r): (int(h.replace(",", "")), int(t.replace(",", ""))) for r, h, t in found}
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def srun_tasks(tmp_path, args, world=2):

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import EXAMPLES, HAS_CUDA, activated, example_env, run
+from conftest import EXAMPLES, HAS_CUDA, activated, epoch_losses, example_env, run
 
 HOROVOD = EXAMPLES / "horovod"
 INSTALL = HOROVOD / "install_horovod.sh"
@@ -25,10 +25,8 @@ HOROVODRUN_VARIABLES = (
 )
 
 
-def losses(out):
-    """Rank 0's epoch losses; horovodrun prefixes each line with [rank]<stdout>:."""
-    pattern = r"^\[0\]<stdout>:epoch \d+: loss (\S+), \d+ images/s$"
-    return [float(x) for x in re.findall(pattern, out, re.M)]
+def losses(out):  # rank 0's lines: horovodrun puts [rank]<stdout>: before each line
+    return epoch_losses(out, prefix="[0]<stdout>:")
 
 
 def test_install_script_builds_horovod_with_pytorch_and_gloo(horovod_venv, record_property):

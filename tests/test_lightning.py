@@ -5,7 +5,6 @@ import os
 import pty
 import re
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -15,21 +14,14 @@ import time
 import pytest
 import torch
 
-from conftest import EXAMPLES, example_env, run
+from conftest import EXAMPLES, epoch_losses, example_env, free_port, run
 
 TRAIN = EXAMPLES / "lightning" / "lightning_train.py"
 TINY = ["--device", "cpu", "--fake-data", "--fake-size", "1024", "--epochs", "3",
         "--num-workers", "0"]  # fmt: skip
 
 
-def losses(out):
-    return [float(x) for x in re.findall(r"^epoch \d+: loss (\S+), \d+ images/s$", out, re.M)]
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+losses = epoch_losses
 
 
 def srun_env(rank, tasks=2, **extra):

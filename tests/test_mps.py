@@ -1,18 +1,17 @@
 """examples/mps/: several DDP replicas (gloo) sharing one GPU, here on CPU processes."""
 
-import re
 import sys
 
 import pytest
 
-from conftest import EXAMPLES, run
+from conftest import EXAMPLES, epoch_losses, run
 
 MPS_DDP = EXAMPLES / "mps" / "mps_ddp.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
 def losses(out):
-    return [float(x) for x in re.findall(r"^epoch \d+: loss (\S+), \d+ samples/s", out, re.M)]
+    return epoch_losses(out, unit="samples/s")
 
 
 def test_replicas_train_together(tmp_path):

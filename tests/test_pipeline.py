@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from conftest import EXAMPLES, copy_example, example_env, run
+from conftest import EXAMPLES, copy_example, epoch_losses, example_env, free_port, run
 
 PIPELINE = EXAMPLES / "pipeline" / "pipeline.py"
 PIPELINE_DDP = EXAMPLES / "pipeline-ddp" / "pipeline_ddp.py"
@@ -19,14 +19,7 @@ TINY = ["--device", "cpu", "--fake-data", "--fake-size", "512", "--epochs", "3",
         "--num-workers", "0"]  # fmt: skip
 
 
-def losses(out):
-    return [float(x) for x in re.findall(r"^epoch \d+: loss (\S+), \d+ images/s$", out, re.M)]
-
-
-def free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+losses = epoch_losses
 
 
 def srun_style(script, processes, args, cwd, timeout=120):
