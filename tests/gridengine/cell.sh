@@ -55,8 +55,11 @@ up() {
     qconf -sh | grep -qx "$host" || qconf -ah "$host" >/dev/null
     qconf -ss | grep -qx "$host" || qconf -as "$host" >/dev/null
     edit "qconf -mconf" "s/^min_uid .*/min_uid 0/" "s/^min_gid .*/min_gid 0/"
+    # The machine that runs the tests is busy: no load thresholds or load adjustments, which
+    # would hold jobs back ("cannot run in PE smp because it only offers 0 slots").
     edit "qconf -msconf" "s/^schedule_interval .*/schedule_interval 0:0:1/" \
-        "s/^flush_submit_sec .*/flush_submit_sec 1/" "s/^flush_finish_sec .*/flush_finish_sec 1/"
+        "s/^flush_submit_sec .*/flush_submit_sec 1/" "s/^flush_finish_sec .*/flush_finish_sec 1/" \
+        "s/^job_load_adjustments .*/job_load_adjustments NONE/"
     if ! qconf -sc | grep -q "^gpu "; then  # GPUs: a consumable counted per job, not per slot
         { qconf -sc; echo "gpu gpu INT <= YES JOB 0 0"; } > /tmp/gridengine-complex.$$
         qconf -Mc /tmp/gridengine-complex.$$ >/dev/null
@@ -78,6 +81,7 @@ up() {
             "s/^slots .*/slots 4/" "s/^pe_list .*/pe_list smp/" "s|^shell .*|shell /bin/bash|" \
             "s/^shell_start_mode .*/shell_start_mode unix_behavior/"
     fi
+    qconf -rattr queue load_thresholds NONE all.q >/dev/null
     /usr/sbin/sge_execd
     wait_for 120 "the execution host reporting" bash -c "qstat -f | grep -q 'all.q@.*lx-amd64 *$'"
     echo "Grid Engine cell up in ${SECONDS} s: queue all.q on $host (4 slots, PE smp, gpu=2)"
