@@ -8,6 +8,7 @@ each; it is started once for these tests and stopped at the end. Run only these 
 import os
 import re
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -161,6 +162,60 @@ JOBS = {
             "Wrote 2 rows to results/resnet_benchmark.csv",
         ),
     ),
+    "preemption/preemptible.sbatch": Job(
+        files=("preemption/preemptible.py",),
+        args=("--device", "cpu", "--fake-data", "--fake-size", "512", "--epochs", "2"),
+        expect=(
+            "Job {job_id} on ",
+            "SLURM_RESTART_COUNT=0",
+            "/preemptible-{job_id}\n",
+            "epoch 2: loss ",
+            "finished: 2 epochs, weights sha256 ",
+        ),
+    ),
+    "checkpointing/train_checkpoint.sbatch": Job(
+        files=("checkpointing/train_checkpoint.py",),
+        args=tuple(
+            "--device cpu --fake-data --fake-size 256 --epochs 2 --checkpoint-every 4".split()
+        ),
+        expect=(
+            "Job {job_id} on ",
+            "run train-checkpoint, checkpoints in ",
+            "checkpoints/train-checkpoint/checkpoints: starting from scratch",
+            "epoch 2: loss ",
+            "final weights: sha256 ",
+        ),
+    ),
+    "dist-checkpoint/fsdp_dcp.sbatch": Job(
+        files=("dist-checkpoint/fsdp_dcp.py",),
+        args=tuple(
+            "--device cpu --fake-data --fake-size 512 --epochs 2 --width 64 --blocks 2 "
+            "--num-workers 0".split()
+        ),
+        expect=(
+            "Job {job_id}: 4 processes on n[1-2], rendezvous at n1:",
+            "/checkpoints/{job_id}",
+            "No checkpoint in ",
+            "4 processes, cpu (gloo), shards of 1/4, epochs 1 to 2",
+            "Nodes: n1, n2",
+            "epoch 2: loss ",
+            "/checkpoints/{job_id}/epoch-2",
+            "Weights digest: ",
+            "Kept: epoch-1 epoch-2",
+        ),
+    ),
+    "libtorch/libtorch.sbatch": Job(
+        files=("libtorch/example.cpp", "libtorch/CMakeLists.txt"),
+        args=("--device", "cpu", "--epochs", "3"),
+        expect=(
+            "Job {job_id} on ",
+            "building in /tmp/libtorch-{job_id}",
+            "(C++ 201703, compiler ",
+            "CUDA available: no",
+            "Training on cpu: 1024 samples, 577 parameters",
+            "epoch 3: loss ",
+        ),
+    ),
     "mps/mps_ddp.sbatch": Job(
         files=("mps/mps_ddp.py",),
         args=("--fake-data", "--fake-size", "512", "--epochs", "2"),
@@ -303,6 +358,43 @@ def test_a_job_over_its_time_limit_ends_in_timeout(cluster):
         rf"\*\*\* JOB {cluster['overdue']} ON n\d CANCELLED AT \S+ DUE TO TIME LIMIT \*\*\*",
         info["output"],
     )
+
+
+def test_preemptible_job_on_usr1_saves_requeues_itself_and_resumes(
+    cluster, job_env, tmp_path, record_property
+):
+    """USR1 to the batch shell, as --signal=B:USR1@120 sends it before the time limit: the job
+    script passes it on, Python saves a checkpoint, the script requeues the job, and the new
+    run (same job id, same checkpoint folder) resumes and ends after the requested epochs."""
+    script = "preemption/preemptible.sbatch"
+    copy_example(tmp_path, script, *JOBS[script].files)
+    env = job_env_for(cluster, job_env)
+    args = ("--device", "cpu", "--fake-data", "--fake-size", "2048", "--epochs", "8")
+    start = time.perf_counter()
+    job_id = sbatch("--cpus-per-task=2", "preemptible.sbatch", *args, cwd=tmp_path, env=env)
+    output = tmp_path / f"preemptible-{job_id}.out"
+    deadline = time.monotonic() + 120
+    while not (output.exists() and "epoch 1:" in output.read_text(encoding="utf-8")):
+        if job_info(job_id, env)["JobState"] in FINISHED or time.monotonic() > deadline:
+            pytest.fail(f"no epoch 1 from job {job_id}:\n{wait_for(job_id, env)['output']}")
+        time.sleep(0.2)
+    run(["scancel", "--signal=USR1", "--batch", job_id], cwd=tmp_path, env=env)
+    # Slurm holds a requeued job for AuthInfo's cred_expire, 30 s in tests/slurm/slurm.conf.in
+    # (120 s by default), then starts it at its next pass over the queue.
+    info = wait_for(job_id, env, timeout=300)
+    record_property(
+        "timing", f"Slurm requeue of preemptible.sbatch: {time.perf_counter() - start:.1f} s"
+    )
+    out = info["output"]
+    assert (info["JobState"], info["ExitCode"], info["Restarts"]) == ("COMPLETED", "0:0", "1"), out
+    assert re.search(r"^SIGUSR1: checkpoint saved at epoch \d, step \d+$", out, re.M), out
+    assert f"Requeuing job {job_id}: it will resume from {tmp_path}/preemptible-{job_id}" in out
+    assert "SLURM_RESTART_COUNT=0" in out and "SLURM_RESTART_COUNT=1" in out
+    assert f"resumed from {tmp_path}/preemptible-{job_id}/checkpoint.pt at epoch " in out
+    epochs = [int(n) for n in re.findall(r"^epoch (\d+): loss ", out, re.M)]
+    assert epochs == list(range(1, 9)) and "finished: 8 epochs" in out, out  # none twice
+    waited = datetime.fromisoformat(info["StartTime"]) - datetime.fromisoformat(info["SubmitTime"])
+    record_property("timing", f"Slurm requeue: the job waited {waited.total_seconds():.0f} s")
 
 
 # Scripts that start a distributed job: they must choose their port per job.

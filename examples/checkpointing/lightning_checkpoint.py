@@ -1,0 +1,184 @@
+"""Checkpoint a PyTorch Lightning training with ModelCheckpoint and resume from the last one.
+
+ModelCheckpoint writes a checkpoint into --checkpoint-dir at the end of every epoch, or every
+--checkpoint-every training steps, keeps the --keep newest ones (it monitors the global step)
+and writes last.ckpt each time. On start, the script resumes from last.ckpt when there is one
+(trainer.fit(..., ckpt_path="last")), or from --resume: the Trainer restores the model, the
+optimizer, the scheduler, its loops and callbacks, and trains only the epochs that are left.
+It loads the file with torch.load's default, weights_only=True since PyTorch 2.6. A small
+CheckpointIO plugin writes each file atomically (temporary file, fsync, rename).
+
+    python lightning_checkpoint.py --fake-data --epochs 2
+    python lightning_checkpoint.py --fake-data --epochs 4    # resumes: trains epochs 3 and 4
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins import TorchCheckpointIO
+from torch import nn
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=0.02)
+    parser.add_argument("--num-workers", type=int, default=2, help="DataLoader workers")
+    parser.add_argument("--data-dir", type=Path, default=Path("data"), help="CIFAR-10 folder")
+    parser.add_argument("--checkpoint-dir", type=Path, default=Path("checkpoints"))
+    parser.add_argument("--checkpoint-every", type=int, default=0, help="steps; 0: each epoch")
+    parser.add_argument("--keep", type=int, default=3, help="checkpoints kept, besides last")
+    parser.add_argument("--resume", type=Path, help="checkpoint (default: last.ckpt, if any)")
+    parser.add_argument("--fake-data", action="store_true", help="train on generated images")
+    parser.add_argument("--fake-size", type=int, default=8192, help="generated images")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def fail(message):
+    print(f"lightning_checkpoint.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def make_dataset(args):
+    if args.fake_data:
+        generator = torch.Generator().manual_seed(args.seed)
+        labels = torch.randint(0, 10, (args.fake_size,), generator=generator)
+        patterns = torch.randn(10, 3, 32, 32, generator=generator)
+        images = patterns[labels] + torch.randn(args.fake_size, 3, 32, 32, generator=generator)
+        return torch.utils.data.TensorDataset(images, labels)
+    if not (args.data_dir / "cifar-10-batches-py").is_dir():
+        fail(
+            f"no CIFAR-10 in {args.data_dir}: download it once on a login node with "
+            f"python -c \"from torchvision.datasets import CIFAR10; CIFAR10('{args.data_dir}', "
+            'download=True)", or pass --fake-data'
+        )
+    import torchvision
+
+    transform = torchvision.transforms.Compose(
+        [
+            torchvision.transforms.ToTensor(),
+            torchvision.transforms.Normalize((0.5,) * 3, (0.25,) * 3),
+        ]
+    )
+    return torchvision.datasets.CIFAR10(args.data_dir, train=True, transform=transform)
+
+
+class CNN(L.LightningModule):
+    def __init__(self, lr):
+        super().__init__()
+        self.save_hyperparameters()  # plain numbers only: the checkpoint loads weights-only
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Dropout(0.2), nn.Linear(32 * 8 * 8, 10),
+        )  # fmt: skip
+
+    def training_step(self, batch, batch_idx):
+        images, labels = batch
+        loss = nn.functional.cross_entropy(self.net(images), labels)
+        self.log("train_loss", loss, on_step=False, on_epoch=True)
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": scheduler}  # stepped at each epoch end
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Write beside the target, sync, rename. Lightning's own writer (local files) makes its
+    temporary file in TMPDIR and moves it: a copy, not an atomic rename, across file systems."""
+
+    def save_checkpoint(self, checkpoint, path, storage_options=None):
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_name(f"{path.name}.tmp")
+        with open(temporary, "wb") as file:
+            torch.save(checkpoint, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+
+
+class EpochReport(L.Callback):
+    """Where the training resumed, and the loss and images/s of every epoch."""
+
+    def on_train_start(self, trainer, module):
+        self.start, self.images = time.perf_counter(), 0  # a resumed run may start mid-epoch
+        if trainer.ckpt_path:  # the loops are restored by now
+            print(f"resumed from {trainer.ckpt_path} at epoch {trainer.current_epoch + 1}, "
+                  f"step {trainer.global_step}")  # fmt: skip
+
+    def on_train_epoch_start(self, trainer, module):
+        self.start, self.images = time.perf_counter(), 0
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.images += len(batch[1])
+
+    def on_train_epoch_end(self, trainer, module):
+        loss = trainer.callback_metrics["train_loss"].item()
+        speed = self.images / (time.perf_counter() - self.start)
+        print(f"epoch {trainer.current_epoch + 1}: loss {loss:.4f}, {speed:.0f} images/s")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda but no GPU is visible: request one with #SBATCH --gpus-per-node=1")
+    if args.resume and not args.resume.is_file():
+        fail(f"--resume {args.resume}: no such file")
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    L.seed_everything(args.seed, verbose=False)
+    loader = torch.utils.data.DataLoader(
+        make_dataset(args),
+        batch_size=args.batch_size,
+        shuffle=True,
+        num_workers=args.num_workers,
+        persistent_workers=args.num_workers > 0,
+    )
+    checkpoint = ModelCheckpoint(
+        dirpath=args.checkpoint_dir,
+        filename="{epoch}-{step}",
+        every_n_train_steps=args.checkpoint_every or None,  # steps, or else:
+        every_n_epochs=None if args.checkpoint_every else 1,  # at the end of each epoch
+        save_top_k=args.keep,
+        monitor="step",  # the highest steps: the newest checkpoints
+        mode="max",
+        save_last=True,  # last.ckpt, what ckpt_path="last" finds
+    )
+    trainer = L.Trainer(
+        accelerator="gpu" if use_cuda else "cpu",
+        devices=1,
+        max_epochs=args.epochs,
+        callbacks=[checkpoint, EpochReport()],
+        plugins=[AtomicCheckpointIO()],
+        logger=False,
+        enable_progress_bar=sys.stdout.isatty(),
+        enable_model_summary=False,
+    )
+    has_last = any(args.checkpoint_dir.glob("last*.ckpt"))  # else "last" warns, then starts
+    resume = args.resume or ("last" if has_last else None)
+    trainer.fit(CNN(args.lr), loader, ckpt_path=resume)
+    kept = sorted(path.name for path in args.checkpoint_dir.glob("*.ckpt"))
+    print(f"trained {trainer.current_epoch} epochs; in {args.checkpoint_dir}: {', '.join(kept)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,251 @@
+"""Train a small CNN with a custom loop that checkpoints its full state and resumes exactly.
+
+Every --checkpoint-every steps and at the end of each epoch, the script saves everything the
+rest of the run depends on: model, optimizer, learning-rate scheduler, epoch and step, the
+random number generators and the loss so far. Each checkpoint is written to a temporary file,
+synced to disk and renamed, so that a file with a checkpoint's name is always complete; the
+last --keep are kept. On start, the script resumes from the newest checkpoint in
+--checkpoint-dir that loads, and skips any that does not, with a warning. The data order of an
+epoch comes from --seed and the epoch number, so a run resumed in the middle of an epoch goes
+on with exactly the batches it had not done. On CPU, a run that was killed and resumed ends
+with the same weights, bit for bit, as one that never stopped: compare the final digests.
+
+    python train_checkpoint.py --fake-data --checkpoint-dir checkpoints
+    sbatch train_checkpoint.sbatch --fake-data      # resubmit it: it resumes
+"""
+
+import argparse
+import hashlib
+import os
+import random
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+NAME = re.compile(r"checkpoint-(\d+)\.pt")  # checkpoint-<steps done>.pt
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=0.02)
+    parser.add_argument("--warmup-steps", type=int, default=50, help="linear warm-up of the lr")
+    parser.add_argument("--num-workers", type=int, default=0, help="DataLoader workers")
+    parser.add_argument("--data-dir", type=Path, default=Path("data"), help="CIFAR-10 folder")
+    parser.add_argument("--output-dir", type=Path, default=Path("runs"), help="final weights")
+    parser.add_argument("--checkpoint-dir", type=Path, default=Path("checkpoints"))
+    parser.add_argument("--checkpoint-every", type=int, default=100, help="steps")
+    parser.add_argument("--keep", type=int, default=3, help="checkpoints kept")
+    parser.add_argument("--fake-data", action="store_true", help="train on generated images")
+    parser.add_argument("--fake-size", type=int, default=8192, help="generated images")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def fail(message):
+    print(f"train_checkpoint.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def make_dataset(args):
+    if args.fake_data:
+        generator = torch.Generator().manual_seed(args.seed)
+        labels = torch.randint(0, 10, (args.fake_size,), generator=generator)
+        patterns = torch.randn(10, 3, 32, 32, generator=generator)
+        images = patterns[labels] + torch.randn(args.fake_size, 3, 32, 32, generator=generator)
+        return torch.utils.data.TensorDataset(images, labels)
+    if not (args.data_dir / "cifar-10-batches-py").is_dir():
+        fail(
+            f"no CIFAR-10 in {args.data_dir}: download it once on a login node with "
+            f"python -c \"from torchvision.datasets import CIFAR10; CIFAR10('{args.data_dir}', "
+            'download=True)", or pass --fake-data'
+        )
+    import torchvision
+
+    transform = torchvision.transforms.Compose(
+        [
+            torchvision.transforms.ToTensor(),
+            torchvision.transforms.Normalize((0.5,) * 3, (0.25,) * 3),
+        ]
+    )
+    return torchvision.datasets.CIFAR10(args.data_dir, train=True, transform=transform)
+
+
+def make_model():
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Dropout(0.2), nn.Linear(32 * 8 * 8, 10),
+    )  # fmt: skip
+
+
+def checkpoints(folder):
+    """The checkpoint files in folder, oldest first (temporary files are not among them)."""
+    found = [path for path in folder.glob("checkpoint-*.pt") if NAME.fullmatch(path.name)]
+    return sorted(found, key=lambda path: int(NAME.fullmatch(path.name)[1]))
+
+
+def save_checkpoint(state, folder, steps_done, keep):
+    """Write atomically: a crash leaves the previous checkpoints and at most a .tmp file."""
+    path = folder / f"checkpoint-{steps_done:08d}.pt"
+    temporary = folder / f"{path.name}.tmp"
+    with open(temporary, "wb") as file:
+        torch.save(state, file)
+        file.flush()
+        os.fsync(file.fileno())  # the data is on disk before the file gets its name
+    os.replace(temporary, path)  # atomic: readers see the old file or the new one
+    directory = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the new name is on disk too
+    finally:
+        os.close(directory)
+    for old in checkpoints(folder)[:-keep]:  # only once the new one is in place
+        old.unlink()
+    return path
+
+
+def load_checkpoint(folder):
+    """(path, state) of the newest checkpoint that loads, or (None, None); and those skipped."""
+    skipped = []
+    for path in reversed(checkpoints(folder)):
+        try:
+            # Tensors, numbers, strings, lists, tuples and dicts only: no code runs.
+            return path, torch.load(path, map_location="cpu", weights_only=True), skipped
+        except Exception as error:  # truncated or corrupted: try the one before
+            reason = str(error).split(". ")[0].splitlines()[0] if str(error) else "empty"
+            skipped.append(f"{path} ({type(error).__name__}: {reason})")
+    return None, None, skipped
+
+
+def full_state(model, optimizer, scheduler, epoch, step, totals, config, device):
+    """Everything the rest of the run depends on, in types that torch.load(weights_only=True)
+    accepts: tensors, numbers, strings, None, and lists, tuples and dicts of them."""
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),  # momentum buffers included
+        "scheduler": scheduler.state_dict(),
+        "epoch": epoch,  # the epoch under way, from 0
+        "step": step,  # batches of it already done
+        "totals": totals,  # loss sum and images of those batches
+        "config": config,  # the options that fix the data order
+        "rng": {
+            "torch": torch.get_rng_state(),  # dropout, and anything else random on the CPU
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+            "python": random.getstate(),  # a tuple of ints
+        },
+    }
+
+
+def restore(state, model, optimizer, scheduler, device):
+    """Put a loaded state back; return the epoch, step and loss totals to go on from."""
+    model.load_state_dict(state["model"])  # copies onto the model's device
+    optimizer.load_state_dict(state["optimizer"])  # moves its tensors next to the parameters
+    scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"]["torch"])
+    if device.type == "cuda" and state["rng"]["cuda"] is not None:
+        torch.cuda.set_rng_state(state["rng"]["cuda"], device)
+    random.setstate(state["rng"]["python"])
+    return state["epoch"], state["step"], state["totals"]
+
+
+def weights_digest(model):
+    digest = hashlib.sha256()
+    for tensor in model.state_dict().values():
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.keep < 1 or args.checkpoint_every < 1:
+        fail("--keep and --checkpoint-every must be at least 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda but no GPU is visible: request one with #SBATCH --gpus-per-node=1")
+    dataset = make_dataset(args)
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if use_cuda else "cpu")
+    if use_cuda:  # deterministic cuBLAS; must be set before the first CUDA call
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)  # the same run gives the same weights
+    steps_per_epoch = -(-len(dataset) // args.batch_size)
+
+    random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    model = make_model().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LinearLR(
+        optimizer, start_factor=0.1, total_iters=args.warmup_steps
+    )  # stepped after every batch
+    epoch, step = 0, 0  # step: batches of the epoch already done
+    totals = torch.zeros(2, dtype=torch.float64)  # their loss sum and images
+    config = {"seed": args.seed, "batch_size": args.batch_size, "samples": len(dataset)}
+
+    args.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    for leftover in args.checkpoint_dir.glob("checkpoint-*.pt.tmp"):
+        leftover.unlink()  # a write that was interrupted
+    path, state, skipped = load_checkpoint(args.checkpoint_dir)
+    fallback = f"falling back to {path}" if path else "no usable checkpoint"
+    for reason in skipped:
+        print(f"train_checkpoint.py: warning: skipped {reason}; {fallback}", file=sys.stderr)
+    if state is None:
+        print(f"no checkpoint in {args.checkpoint_dir}: starting from scratch")
+    else:
+        if state["config"] != config:
+            fail(f"{path} was written with {state['config']}, this run has {config}: resume "
+                 "with the same options, or start again in a new --checkpoint-dir")  # fmt: skip
+        epoch, step, totals = restore(state, model, optimizer, scheduler, device)
+        done, total = epoch * steps_per_epoch + step, args.epochs * steps_per_epoch
+        print(f"resumed from {path} after {done} of {total} steps")
+
+    def checkpoint(steps_done):
+        state = full_state(model, optimizer, scheduler, epoch, step, totals, config, device)
+        print(f"saved {save_checkpoint(state, args.checkpoint_dir, steps_done, args.keep)}")
+
+    model.train()
+    while epoch < args.epochs:
+        # The order of an epoch depends on --seed and the epoch alone.
+        generator = torch.Generator().manual_seed(args.seed * 10_000 + epoch)
+        order = torch.randperm(len(dataset), generator=generator)
+        loader = torch.utils.data.DataLoader(
+            dataset,
+            batch_size=args.batch_size,
+            sampler=order[step * args.batch_size :].tolist(),  # skip the batches done
+            num_workers=args.num_workers,
+            pin_memory=use_cuda,
+            generator=generator,  # not the global generator, which dropout uses
+        )
+        start, images_here = time.perf_counter(), 0
+        for images, labels in loader:
+            images, labels = images.to(device), labels.to(device)
+            loss = nn.functional.cross_entropy(model(images), labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            totals += torch.tensor([loss.item() * len(labels), len(labels)], dtype=torch.float64)
+            images_here += len(labels)
+            steps_done = epoch * steps_per_epoch + step
+            if steps_done % args.checkpoint_every == 0 and step < steps_per_epoch:
+                checkpoint(steps_done)
+        speed = images_here / (time.perf_counter() - start)
+        print(f"epoch {epoch + 1}: loss {totals[0] / totals[1]:.4f}, {speed:.0f} images/s")
+        epoch, step, totals = epoch + 1, 0, torch.zeros(2, dtype=torch.float64)
+        checkpoint(epoch * steps_per_epoch)  # at the start of the next epoch
+
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    torch.save(model.state_dict(), args.output_dir / "model.pt")
+    print(f"final weights: sha256 {weights_digest(model)}, saved {args.output_dir / 'model.pt'}")
+
+
+if __name__ == "__main__":
+    main()

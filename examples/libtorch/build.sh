@@ -1,0 +1,23 @@
+#!/bin/bash
+# Configure, build and run example.cpp against the LibTorch of the venv's torch.
+#
+# On a login node, or in an interactive job to use a GPU, from any folder:
+#     bash build.sh                       # builds build/example, then runs it
+#     bash build.sh --device cpu          # options go to the program
+# Then run the program directly: build/example --epochs 10
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"      # the folder of this script and example.cpp
+
+# --- Site-specific: your site's modules and the venv from make_venv.sh ---------
+module load python/3.11                  # the Python the venv was built with
+module load gcc/12                       # a C++17 compiler (and cmake, if your site has a module)
+module load cuda/12.8                    # for a CUDA torch: the version of torch.version.cuda
+VENV=${VENV:-$HOME/venvs/pytorch}        # made by make_venv.sh
+# -------------------------------------------------------------------------------
+# shellcheck source=/dev/null
+source "$VENV/bin/activate"
+
+# TorchConfig.cmake is inside the torch package: no separate LibTorch download.
+cmake -S . -B build -DCMAKE_PREFIX_PATH="$(python -c 'import torch; print(torch.utils.cmake_prefix_path)')"
+cmake --build build -j "${SLURM_CPUS_PER_TASK:-2}"
+build/example "$@"

@@ -1,0 +1,214 @@
+"""Train a small CNN that saves a checkpoint and stops when warned, then resumes where it was.
+
+SIGUSR1 (which the job script forwards from Slurm before the time limit) and SIGTERM (which
+Slurm sends at the time limit, on preemption and on cancellation) only set a flag. At the
+end of the current step, the script writes a checkpoint into --checkpoint-dir, atomically,
+and exits with code 75 (EX_TEMPFAIL: "try again"), which tells the job script to requeue the
+job. It also saves at the end of every epoch. On start it resumes from the checkpoint it
+finds there, in the middle of an epoch if need be, and stops after exactly --epochs epochs,
+however often it was interrupted. On CPU, a resumed run ends with the same weights, bit for
+bit, as an uninterrupted one.
+
+    python preemptible.py --fake-data --checkpoint-dir checkpoints
+    sbatch preemptible.sbatch --fake-data
+"""
+
+import argparse
+import hashlib
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+CHECKPOINTED = 75  # os.EX_TEMPFAIL: a checkpoint was saved, run me again to go on
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=0.02)
+    parser.add_argument("--num-workers", type=int, default=0, help="DataLoader workers")
+    parser.add_argument("--data-dir", type=Path, default=Path("data"), help="CIFAR-10 folder")
+    parser.add_argument("--fake-data", action="store_true", help="train on generated images")
+    parser.add_argument("--fake-size", type=int, default=8192, help="generated images")
+    parser.add_argument("--checkpoint-dir", type=Path, default=Path("checkpoints"))
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def fail(message):
+    print(f"preemptible.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+class StopSignal:
+    """Records that SIGUSR1 or SIGTERM came; the training loop acts on it after its step."""
+
+    def __init__(self):
+        self.name = None
+        for signum in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(signum, self.record)
+
+    def record(self, signum, frame):
+        self.name = signal.Signals(signum).name  # nothing else: a step may be half done
+
+
+def ignore_sigterm(worker_id):
+    """In DataLoader workers: Slurm sends SIGTERM to every process of the job, and a worker
+    that dies of it stops the training before it saves. The main process stops them."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def save_checkpoint(torch, state, path):
+    """Write a temporary file, force it to disk, then rename it over the old checkpoint.
+
+    The rename is atomic: a job killed at any moment leaves the old checkpoint or the new
+    one, never half a file."""
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "wb") as file:
+        torch.save(state, file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)  # the rename itself reaches the disk
+    finally:
+        os.close(folder)
+
+
+def load_checkpoint(torch, path, model, optimizer, device):
+    """Restore the model and optimizer from path; return where the training stopped."""
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+    except Exception as error:  # not a checkpoint, truncated, or from another model
+        reason = str(error).splitlines()[0].split(". ")[0] if str(error) else repr(error)
+        fail(
+            f"cannot resume from {path} ({reason}): delete it to start again, or pass "
+            "another --checkpoint-dir"
+        )
+    return state["epoch"], state["step"], state["loss_sum"], state["images"]
+
+
+def make_dataset(torch, args):
+    if args.fake_data:
+        generator = torch.Generator().manual_seed(args.seed)
+        labels = torch.randint(0, 10, (args.fake_size,), generator=generator)
+        patterns = torch.randn(10, 3, 32, 32, generator=generator)
+        noise = torch.randn(args.fake_size, 3, 32, 32, generator=generator)
+        images = 0.3 * patterns[labels] + noise  # faint class patterns under noise
+        return torch.utils.data.TensorDataset(images, labels)
+    if not (args.data_dir / "cifar-10-batches-py").is_dir():
+        fail(
+            f"no CIFAR-10 in {args.data_dir}: download it once on a login node with "
+            f"python -c \"from torchvision.datasets import CIFAR10; CIFAR10('{args.data_dir}', "
+            'download=True)", or pass --fake-data'
+        )
+    import torchvision
+
+    transform = torchvision.transforms.Compose(
+        [
+            torchvision.transforms.ToTensor(),
+            torchvision.transforms.Normalize((0.5,) * 3, (0.25,) * 3),
+        ]
+    )  # no random augmentation: a resumed epoch sees exactly the same images
+    return torchvision.datasets.CIFAR10(args.data_dir, train=True, transform=transform)
+
+
+def make_model(torch):
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(32 * 8 * 8, 10),
+    )  # fmt: skip
+
+
+def weights_digest(model):
+    digest = hashlib.sha256()
+    for tensor in model.state_dict().values():
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def train(torch, args, model, optimizer, dataset, device, stop):
+    """The training loop: resume, then look for a stop signal after every step."""
+    path = args.checkpoint_dir / "checkpoint.pt"
+    first_epoch, first_step, loss_sum, images = 0, 0, 0.0, 0
+    if path.exists():
+        first_epoch, first_step, loss_sum, images = load_checkpoint(
+            torch, path, model, optimizer, device
+        )
+        if first_epoch < args.epochs:
+            print(f"resumed from {path} at epoch {first_epoch + 1}, step {first_step}")
+        else:
+            print(f"resumed from {path}: {first_epoch} epochs done already")
+
+    def state(epoch, step):  # tensors, ints and floats only: loads with weights_only=True
+        return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "epoch": epoch, "step": step, "loss_sum": loss_sum, "images": images}  # fmt: skip
+
+    for epoch in range(first_epoch, args.epochs):
+        # The order of an epoch depends only on the seed and the epoch: a resumed epoch skips
+        # the batches it has done and sees the others in the same order.
+        order = torch.randperm(
+            len(dataset), generator=torch.Generator().manual_seed(args.seed + epoch)
+        )
+        step = first_step if epoch == first_epoch else 0
+        loader = torch.utils.data.DataLoader(
+            dataset,
+            batch_size=args.batch_size,
+            sampler=order[step * args.batch_size :].tolist(),
+            num_workers=args.num_workers,
+            worker_init_fn=ignore_sigterm,
+        )
+        start, seen = time.perf_counter(), 0
+        for inputs, labels in loader:
+            inputs, labels = inputs.to(device), labels.to(device)
+            loss = torch.nn.functional.cross_entropy(model(inputs), labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            step, seen = step + 1, seen + len(labels)
+            loss_sum, images = loss_sum + loss.item() * len(labels), images + len(labels)
+            if stop.name:  # the step is complete: save it, and stop
+                save_checkpoint(torch, state(epoch, step), path)
+                print(f"{stop.name}: checkpoint saved at epoch {epoch + 1}, step {step}")
+                sys.exit(CHECKPOINTED)
+        print(f"epoch {epoch + 1}: loss {loss_sum / images:.4f}, "
+              f"{seen / (time.perf_counter() - start):.0f} images/s")  # fmt: skip
+        loss_sum, images = 0.0, 0
+        save_checkpoint(torch, state(epoch + 1, 0), path)  # a crash loses one epoch at most
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    stop = StopSignal()  # before the slow imports: a signal may come at any time
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda but no GPU is visible: request one with #SBATCH --gpus-per-node=1")
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if use_cuda else "cpu")
+    dataset = make_dataset(torch, args)
+    torch.manual_seed(args.seed)
+    torch.use_deterministic_algorithms(not use_cuda)  # some CUDA operations have no such version
+    model = make_model(torch).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    args.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    print(f"{len(dataset)} images, {device.type}, checkpoints in {args.checkpoint_dir}")
+
+    train(torch, args, model, optimizer, dataset, device, stop)
+    print(f"finished: {args.epochs} epochs, weights sha256 {weights_digest(model)}")
+
+
+if __name__ == "__main__":
+    main()

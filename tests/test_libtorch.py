@@ -1,0 +1,271 @@
+"""examples/libtorch/: a C++ program built with CMake against the LibTorch of the venv's torch.
+
+The program is configured and built once for this module (about 30 s on 2 cores); the tests
+then run it, look at its RUNPATH, and run the job scripts' commands. libtorch.sbatch itself is
+submitted to the Slurm cluster by test_slurm.py.
+"""
+
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import (
+    EXAMPLES,
+    HAS_CUDA,
+    copy_example,
+    epoch_losses,
+    example_env,
+    require_command,
+    run,
+)
+
+SHOW = EXAMPLES / "libtorch" / "show_build_info.py"
+TORCH_LIB = Path(torch.__file__).parent / "lib"
+CUDA_ERROR = (
+    "example: error: --device cuda but no GPU is visible: run on a GPU node "
+    "(#SBATCH --gpus-per-node=1) or pass --device cpu\n"
+)
+
+
+def losses(out):
+    return epoch_losses(out, unit="samples/s")
+
+
+def runpath(binary):
+    out = run(["readelf", "-d", binary], cwd=binary.parent).stdout
+    found = re.search(r"\((RUNPATH|RPATH)\)\s+Library r(?:un)?path: \[(.*)\]", out)
+    return found and (found[1], found[2].split(":"))
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The example configured and built as the page says: (folder, seconds, cmake's output)."""
+    require_command("cmake", "run `make system-packages` as root (apt-get install cmake)")
+    require_command("g++", "run `make system-packages` as root (apt-get install g++)")
+    if torch.version.cuda:  # find_package(Torch) of a CUDA build needs the CUDA compiler
+        require_command("nvcc", f"load a CUDA {torch.version.cuda} module, as build.sh does")
+    folder = copy_example(
+        tmp_path_factory.mktemp("libtorch"), "libtorch/example.cpp", "libtorch/CMakeLists.txt"
+    )
+    prefix = run(
+        [sys.executable, "-c", "import torch; print(torch.utils.cmake_prefix_path)"], cwd=folder
+    ).stdout.strip()
+    start = time.perf_counter()
+    configure = run(
+        ["cmake", "-S", ".", "-B", "build", f"-DCMAKE_PREFIX_PATH={prefix}"], cwd=folder
+    )
+    build = run(["cmake", "--build", "build", "-j", "2"], cwd=folder, timeout=600)
+    seconds = time.perf_counter() - start
+    return folder, seconds, configure.stdout + configure.stderr + build.stdout
+
+
+def env_without_library_path(**extra):
+    env = example_env(**extra)
+    env.pop("LD_LIBRARY_PATH", None)
+    return env
+
+
+@pytest.mark.cpp
+def test_cmake_builds_the_example(built, record_property):
+    folder, seconds, out = built
+    record_property("timing", f"LibTorch example: cmake configure + build: {seconds:.1f} s")
+    assert f"Found Torch: {TORCH_LIB / 'libtorch.so'}" in out
+    # The page tells readers to ignore this warning of the pip wheel's TorchConfig.cmake.
+    assert "TorchConfig.cmake:" in out and "  library kineto not found." in out
+    assert (folder / "build" / "example").is_file()
+
+
+@pytest.mark.cpp
+def test_it_trains_on_the_cpu_and_prints_its_versions(built):
+    folder = built[0]
+    out = run(
+        ["build/example", "--device", "cpu", "--epochs", "4"],
+        cwd=folder,
+        env=env_without_library_path(OMP_NUM_THREADS=1),
+    ).stdout
+    assert f"LibTorch {torch.__version__.split('+')[0]} (C++ 201703, compiler " in out
+    assert ("CUDA available: yes" if HAS_CUDA else "CUDA available: no\n") in out
+    assert "Training on cpu: 1024 samples, 577 parameters, torch::get_num_threads() = 1\n" in out
+    values = losses(out)
+    assert len(values) == 4 and values == sorted(values, reverse=True), out
+    assert values[-1] < values[0] / 10, out
+
+
+@pytest.mark.cpp
+def test_the_runpath_points_at_the_venvs_torch(built):
+    """readelf -d shows RUNPATH = torch/lib: the program runs without LD_LIBRARY_PATH."""
+    binary = built[0] / "build" / "example"
+    kind, folders = runpath(binary)
+    assert kind == "RUNPATH" and folders[0] == str(TORCH_LIB), folders
+    ldd = run(["ldd", binary], cwd=built[0], env=env_without_library_path()).stdout
+    assert f"libtorch.so => {TORCH_LIB / 'libtorch.so'}" in ldd and "not found" not in ldd
+
+
+@pytest.mark.cpp
+def test_the_installed_program_keeps_its_runpath(built, tmp_path):
+    run(["cmake", "--install", "build", "--prefix", tmp_path], cwd=built[0])
+    installed = tmp_path / "bin" / "example"
+    assert runpath(installed)[1][0] == str(TORCH_LIB)
+    out = run([installed, "--epochs", "1", "--device", "cpu"], cwd=tmp_path,
+              env=env_without_library_path()).stdout  # fmt: skip
+    assert len(losses(out)) == 1
+
+
+@pytest.mark.cpp
+def test_without_a_runpath_the_loader_cannot_find_libtorch(built, tmp_path):
+    """What the RUNPATH prevents: the same object linked without one does not start, and
+    show_build_info.py names the libraries that ldd cannot find."""
+    folder = built[0]
+    objects = list((folder / "build").rglob("example.cpp.o"))
+    bare = tmp_path / "example-without-runpath"
+    libraries = [TORCH_LIB / name for name in ("libtorch.so", "libtorch_cpu.so", "libc10.so")]
+    run(["g++", *objects, "-o", bare, *libraries], cwd=tmp_path)
+    assert runpath(bare) is None
+    proc = run([bare], cwd=tmp_path, env=env_without_library_path(), expect_rc=127)
+    assert re.search(
+        r"error while loading shared libraries: lib(torch|torch_cpu|c10)\.so: cannot open "
+        r"shared object file: No such file or directory",
+        proc.stderr,
+    ), proc.stderr
+    proc = run([sys.executable, SHOW, "--binary", bare], cwd=tmp_path,
+               env=env_without_library_path(), expect_rc=1)  # fmt: skip
+    missing = re.search(r"^  NOT FOUND: (.*)$", proc.stdout, re.M)[1]
+    assert {"libc10.so", "libtorch_cpu.so"} <= set(missing.split(", "))
+    assert proc.stderr == (
+        f"show_build_info.py: error: {bare} cannot load {missing}: rebuild it with a RUNPATH, "
+        "or load the modules it was built with\n"
+    )
+
+
+@pytest.mark.cpp
+def test_an_uncaught_c10_error_aborts_with_a_backtrace(tmp_path):
+    """What main() in example.cpp avoids, as the page shows it: a c10::Error nobody catches."""
+    require_command("g++", "run `make system-packages` as root (apt-get install g++)")
+    source = tmp_path / "uncaught.cpp"
+    source.write_text(
+        "#include <c10/util/Exception.h>\n"
+        'int main() { TORCH_CHECK(false, "Invalid learning rate: ", -1); }\n'
+    )
+    include = TORCH_LIB.parent / "include"
+    run(["g++", "-std=c++17", "-isystem", include, source, "-o", "uncaught",
+         f"-Wl,-rpath,{TORCH_LIB}", TORCH_LIB / "libc10.so"], cwd=tmp_path)  # fmt: skip
+    proc = run([tmp_path / "uncaught"], cwd=tmp_path, expect_rc=-6)  # SIGABRT
+    assert proc.stderr.startswith(
+        "terminate called after throwing an instance of 'c10::Error'\n"
+        "  what():  Invalid learning rate: -1\n"
+        "Exception raised from main at "
+    ), proc.stderr
+
+
+@pytest.mark.cpp
+def test_cuda_without_a_gpu_is_a_one_line_error(built):
+    if HAS_CUDA:
+        pytest.skip("a GPU is visible here: test_it_trains_on_the_gpu runs the CUDA path")
+    proc = run(["build/example", "--device", "cuda"], cwd=built[0], expect_rc=2)
+    assert proc.stderr == CUDA_ERROR
+
+
+@pytest.mark.cpp
+def test_an_error_from_libtorch_is_one_line_not_a_crash(built):
+    """A c10::Error (here from SGDOptions) is caught in main: one line, exit code 1."""
+    proc = run(["build/example", "--device", "cpu", "--lr", "-1"], cwd=built[0], expect_rc=1)
+    assert proc.stderr == "example: error: Invalid learning rate: -1\n"
+    assert "terminate called" not in proc.stderr
+
+
+@pytest.mark.cpp
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--epochs", "two"], "--epochs expects a number, not 'two'"),
+        (["--device", "gpu"], "--device must be auto, cpu or cuda, not 'gpu'"),
+        (["--fake-data"], "--fake-data needs a value (usage: example [--device"),
+        (["--steps", "3"], "unknown option --steps (usage: example [--device"),
+    ],
+)
+def test_a_bad_option_is_a_one_line_error(built, args, message):
+    proc = run(["build/example", *args], cwd=built[0], expect_rc=2)
+    assert proc.stderr.startswith(f"example: error: {message}") and proc.stderr.count("\n") == 1
+
+
+@pytest.mark.cpp
+def test_build_sh_configures_builds_and_runs(built, job_env):
+    """build.sh's modules, venv and cmake commands, in the folder the fixture built: the
+    configure step reruns, the build finds nothing to do, the program runs."""
+    folder = built[0]
+    copy_example(folder, "libtorch/build.sh")
+    env = {**job_env, "SLURM_CPUS_PER_TASK": "2"}
+    env.pop("LD_LIBRARY_PATH", None)
+    args = ["--device", "cpu", "--epochs", "2"]
+    out = run(["bash", folder / "build.sh", *args], cwd="/", env=env,
+              timeout=300).stdout  # fmt: skip
+    assert "Build files have been written to" in out and len(losses(out)) == 2, out
+
+
+def test_build_sh_stops_at_a_wrong_module(tmp_path, job_env):
+    copy_example(tmp_path, "libtorch/build.sh")
+    text = (tmp_path / "build.sh").read_text()
+    assert "module load gcc/12" in text
+    (tmp_path / "build.sh").write_text(text.replace("module load gcc/12", "module load gcc/99"))
+    proc = run(["bash", "build.sh"], cwd=tmp_path, env=job_env, expect_rc=None)
+    assert proc.returncode != 0 and "unknown" in proc.stderr, proc.stderr
+    assert not (tmp_path / "build").exists()
+
+
+def test_show_build_info_prints_what_to_match():
+    out = run([sys.executable, SHOW], cwd=SHOW.parent).stdout
+    abi = torch.compiled_with_cxx11_abi()
+    assert abi == torch._C._GLIBCXX_USE_CXX11_ABI
+    for line in [
+        f"torch {torch.__version__} in {TORCH_LIB.parent}",
+        f"CUDA (torch.version.cuda): {torch.version.cuda or 'none, a CPU build'}",
+        f"cuDNN (torch.backends.cudnn.version()): {torch.backends.cudnn.version() or 'none'}",
+        f"C++ ABI: _GLIBCXX_USE_CXX11_ABI={int(abi)} (torch.compiled_with_cxx11_abi() is {abi})",
+        f"CMAKE_PREFIX_PATH (torch.utils.cmake_prefix_path): {TORCH_LIB.parent}/share/cmake",
+        f"Libraries of {TORCH_LIB}/libtorch_{'cuda' if torch.version.cuda else 'cpu'}.so (ldd):",
+    ]:
+        assert f"\n{line}\n" in f"\n{out}", out
+    assert re.search(r"^Built with: GCC \d+\.\d+, C\+\+ \d{6}$", out, re.M), out
+    assert re.search(r"^  torch/lib: .*libc10\.so", out, re.M) and "NOT FOUND" not in out
+    assert out.endswith(torch.__config__.show()) and "PyTorch built with:" in out
+
+
+@pytest.mark.cpp
+def test_show_build_info_lists_the_programs_libraries(built):
+    binary = built[0] / "build" / "example"
+    out = run([sys.executable, SHOW, "--binary", binary], cwd=built[0],
+              env=env_without_library_path()).stdout  # fmt: skip
+    assert f"Libraries of {binary} (ldd):\n" in out
+    torch_line = re.search(r"^  torch/lib: (.*)$", out, re.M)[1].split(", ")
+    assert {"libc10.so", "libtorch.so", "libtorch_cpu.so"} <= set(torch_line), out
+
+
+def test_show_build_info_without_the_binary_says_to_build_it(tmp_path):
+    proc = run([sys.executable, SHOW, "--binary", "build/example"], cwd=tmp_path,
+               expect_rc=2)  # fmt: skip
+    assert proc.stderr == (
+        "show_build_info.py: error: build/example does not exist: build it first (bash build.sh)\n"
+    )
+
+
+def test_the_job_script_builds_in_a_per_job_folder():
+    """libtorch.sbatch: scratch per job, cleaned up; the thread count from the allocation."""
+    text = (EXAMPLES / "libtorch" / "libtorch.sbatch").read_text()
+    assert "WORK=${SLURM_TMPDIR:-/tmp}/libtorch-$SLURM_JOB_ID" in text
+    assert "trap 'rm -rf \"$WORK\"' EXIT" in text
+    assert "export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK" in text
+    assert '"$WORK/build/example" "$@"' in text
+
+
+@pytest.mark.gpu
+@pytest.mark.cpp
+def test_it_trains_on_the_gpu(built):
+    out = run(["build/example", "--device", "cuda", "--epochs", "4"], cwd=built[0],
+              env=env_without_library_path()).stdout  # fmt: skip
+    assert "CUDA available: yes, " in out and "Training on cuda: " in out
+    values = losses(out)
+    assert len(values) == 4 and values[-1] < values[0], out
