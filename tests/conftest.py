@@ -11,6 +11,7 @@ import sysconfig
 import tempfile
 import time
 import tomllib
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -279,3 +280,53 @@ def free_port():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def launch(cmd, *, cwd, world=2, launcher="srun", env=example_env, timeout=120, **extra):
+    """Start world copies of cmd as srun starts a job's tasks (SLURM_PROCID, SLURM_NTASKS,
+    SLURM_LOCALID) or as torchrun starts its workers (RANK, WORLD_SIZE, LOCAL_RANK,
+    LOCAL_WORLD_SIZE), with MASTER_ADDR and MASTER_PORT as a job script exports them and one
+    thread each. env builds each environment (example_env or a test file's own); extra adds
+    variables. Returns [(exit code, stdout, stderr)] of every rank once all have ended; after
+    a timeout no process is left behind."""
+    port = free_port()
+    procs, outputs = [], []
+    try:
+        for rank in range(world):
+            if launcher == "srun":
+                ids = {"SLURM_PROCID": rank, "SLURM_NTASKS": world, "SLURM_LOCALID": rank}
+            else:
+                ids = {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": rank,
+                       "LOCAL_WORLD_SIZE": world}  # fmt: skip
+            variables = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": 1,
+                         **ids, **extra}  # fmt: skip
+            procs.append(subprocess.Popen(
+                [str(part) for part in cmd], cwd=cwd, env=env(**variables),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            ))  # fmt: skip
+        outputs = [proc.communicate(timeout=timeout) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    return [(proc.returncode, *output) for proc, output in zip(procs, outputs, strict=True)]
+
+
+def load_example(path):
+    """An example as a module, to test one of its functions on its own: its main() does not
+    run, and no bytecode is written into examples/."""
+    module = types.ModuleType(f"example_{path.stem}")
+    sys.modules[module.__name__] = module  # dataclasses look their module up there
+    exec(compile(path.read_text(encoding="utf-8"), str(path), "exec"), module.__dict__)
+    return module
+
+
+def slurm_task_env(rank=0, tasks=2, **extra):
+    """What task `rank` of a one-node, `tasks`-task Slurm job sees (job 4242 on n1), with the
+    job script's MASTER_ADDR; add SLURM_STEP_NUM_TASKS=tasks for a task that srun started."""
+    variables = dict(
+        SLURM_JOB_ID=4242, SLURM_JOB_NAME="train", SLURM_NTASKS=tasks,
+        SLURM_NTASKS_PER_NODE=tasks, SLURM_NNODES=1, SLURM_NODELIST="n1", SLURM_PROCID=rank,
+        SLURM_LOCALID=rank, SLURM_NODEID=0, SLURMD_NODENAME="n1", MASTER_ADDR="127.0.0.1",
+        OMP_NUM_THREADS=1,
+    )  # fmt: skip
+    return example_env(**{**variables, **extra})

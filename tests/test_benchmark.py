@@ -1,7 +1,6 @@
 """examples/benchmark/: the ResNet-family benchmark, its CSV, and the directives that show it."""
 
 import csv
-import importlib.util
 import re
 import statistics
 import sys
@@ -9,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import EXAMPLES, SOURCE, example_env, run
+from conftest import EXAMPLES, SOURCE, example_env, load_example, run
 
 BENCHMARK = EXAMPLES / "benchmark" / "resnet_benchmark.py"
 COMMITTED = EXAMPLES / "benchmark" / "resnet_benchmark.csv"
@@ -23,12 +22,7 @@ CASE = re.compile(
 
 
 def load_extension():
-    spec = importlib.util.spec_from_file_location(
-        "benchmark_results", SOURCE / "_ext" / "benchmark_results.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example(SOURCE / "_ext" / "benchmark_results.py")
 
 
 def read_csv(path):

@@ -29,7 +29,6 @@ thread: a child forked after OpenMP started its threads would hang in its first 
 region. A child that hangs anyway is killed after 60 s and fails its trial.
 """
 
-import importlib.util
 import multiprocessing
 import os
 import pathlib
@@ -43,7 +42,7 @@ import pytest
 import torch
 import torch._inductor.config  # noqa: F401  use_deterministic_algorithms imports it: once, here
 
-from conftest import EXAMPLES
+from conftest import EXAMPLES, load_example
 
 SCRIPT = EXAMPLES / "checkpointing" / "train_checkpoint.py"
 SEED = int(os.environ.get("CHECKPOINT_FAULTS_SEED", "20260611"))
@@ -58,14 +57,7 @@ FORK = multiprocessing.get_context("fork")
 DIGEST = re.compile(r"^final weights: sha256 ([0-9a-f]{64}), saved ", re.M)
 
 
-def load_example():
-    spec = importlib.util.spec_from_file_location("train_checkpoint", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-example = load_example()
+example = load_example(SCRIPT)
 
 
 def die():

@@ -2,14 +2,13 @@
 
 import csv
 import re
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
 
-from conftest import EXAMPLES, epoch_losses, example_env, free_port, run
+from conftest import EXAMPLES, epoch_losses, example_env, free_port, launch, run
 
 DDP = EXAMPLES / "ddp" / "ddp.py"
 SCALING = EXAMPLES / "ddp" / "ddp_scaling.py"
@@ -29,19 +28,10 @@ def test_torchrun_trains_two_replicas(tmp_path):
 def test_srun_style_tasks_train_together(tmp_path):
     """What srun gives each task: SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; the job script
     exports MASTER_ADDR and MASTER_PORT."""
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = example_env(SLURM_PROCID=rank, SLURM_NTASKS=2, SLURM_LOCALID=rank,
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS=1)  # fmt: skip
-        procs.append(subprocess.Popen(
-            [sys.executable, DDP, *TINY, "--num-workers", "0"], cwd=tmp_path, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        ))  # fmt: skip
-    outputs = [proc.communicate(timeout=120) for proc in procs]
-    assert [proc.returncode for proc in procs] == [0, 0], outputs
-    out = outputs[0][0]
-    assert "2 processes, cpu (gloo), global batch 128" in out and outputs[1][0] == ""
+    ranks = launch([sys.executable, DDP, *TINY, "--num-workers", "0"], cwd=tmp_path)
+    assert [rc for rc, _, _ in ranks] == [0, 0], ranks
+    out = ranks[0][1]
+    assert "2 processes, cpu (gloo), global batch 128" in out and ranks[1][1] == ""
     assert losses(out)[-1] < losses(out)[0], out
 
 

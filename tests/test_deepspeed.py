@@ -3,7 +3,6 @@ NVMe offload; Lightning's DeepSpeedStrategy, which needs CUDA GPUs, in the GPU s
 
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import EXAMPLES, HAS_CUDA, epoch_losses, example_env, free_port, run
+from conftest import EXAMPLES, HAS_CUDA, epoch_losses, example_env, free_port, launch, run
 
 DS = EXAMPLES / "deepspeed"
 TRAIN = DS / "deepspeed_train.py"
@@ -35,7 +34,7 @@ def losses(out):
 
 
 def ds_env(**extra):
-    return example_env(TORCH_EXTENSIONS_DIR=EXTENSIONS, OMP_NUM_THREADS=1, **extra)
+    return example_env(**{"TORCH_EXTENSIONS_DIR": EXTENSIONS, "OMP_NUM_THREADS": 1, **extra})
 
 
 COMPILED = {}
@@ -100,24 +99,16 @@ def test_cpu_offload_with_srun_style_tasks(tmp_path, record_property):
     """One process per Slurm task, as deepspeed.sbatch starts them; DeepSpeedCPUAdam updates
     the offloaded optimizer states."""
     compile_ops(record_property, "ShareMemCommBuilder", "CPUAdamBuilder")
-    port = free_port()
     start = time.perf_counter()
-    procs = []
-    for rank in range(2):
-        env = ds_env(SLURM_PROCID=rank, SLURM_NTASKS=2, SLURM_LOCALID=rank,
-                     MASTER_ADDR="127.0.0.1", MASTER_PORT=port)  # fmt: skip
-        procs.append(subprocess.Popen(
-            [sys.executable, TRAIN, "--config", OFFLOAD_CPU, *TINY], cwd=tmp_path, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        ))  # fmt: skip
-    outputs = [proc.communicate(timeout=600) for proc in procs]
+    ranks = launch([sys.executable, TRAIN, "--config", OFFLOAD_CPU, *TINY], cwd=tmp_path,
+                   env=ds_env, timeout=600)  # fmt: skip
     record_property("timing", f"DeepSpeed CPU offload, 2 srun-style tasks: "
                               f"{time.perf_counter() - start:.1f} s")  # fmt: skip
-    assert [proc.returncode for proc in procs] == [0, 0], outputs
-    out = outputs[0][0]
+    assert [rc for rc, _, _ in ranks] == [0, 0], ranks
+    out = ranks[0][1]
     assert f"{HEADER} DeepSpeedCPUAdam\n" in out, out
     assert "offload: parameters cpu, optimizer states cpu" in out, out
-    assert "epoch" not in outputs[1][0]  # only rank 0 prints
+    assert "epoch" not in ranks[1][1]  # only rank 0 prints
     assert len(losses(out)) == 3 and losses(out)[-1] < losses(out)[0], out
 
 

@@ -1,7 +1,6 @@
 """examples/dist-checkpoint/: checkpoints of DDP (rank 0 writes) and of FSDP2 (DCP, sharded),
 resumed, resharded to another number of processes and converted, on CPU with gloo."""
 
-import importlib.util
 import re
 import subprocess
 import sys
@@ -10,7 +9,7 @@ import time
 import pytest
 import torch
 
-from conftest import EXAMPLES, epoch_losses, example_env, free_port, run
+from conftest import EXAMPLES, epoch_losses, example_env, free_port, launch, load_example, run
 
 FOLDER = EXAMPLES / "dist-checkpoint"
 DDP = FOLDER / "ddp_checkpoint.py"
@@ -21,26 +20,12 @@ FSDP_TINY = [*DDP_TINY, "--width", "64", "--blocks", "2"]
 
 
 def srun_tasks(script, args, *, cwd, world=2, timeout=120):
-    """Start world processes of script as srun does (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID
-    and the job script's MASTER_ADDR, MASTER_PORT); return rank 0's stdout, after checking that
-    every process exited 0. (A helper for conftest.py: test_fsdp.py has one for one script.)"""
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = example_env(SLURM_PROCID=rank, SLURM_NTASKS=world, SLURM_LOCALID=rank,
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS=1)  # fmt: skip
-        procs.append(subprocess.Popen(
-            [sys.executable, script, *map(str, args)], cwd=cwd, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        ))  # fmt: skip
-    try:
-        outputs = [proc.communicate(timeout=timeout) for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
-    assert [proc.returncode for proc in procs] == [0] * world, outputs
-    assert all(out == "" for out, _ in outputs[1:]), outputs  # only rank 0 prints
-    return outputs[0][0]
+    """world srun-style tasks of script: rank 0's stdout, after checking that every process
+    exited 0 and that only rank 0 printed."""
+    ranks = launch([sys.executable, script, *args], cwd=cwd, world=world, timeout=timeout)
+    assert [rc for rc, _, _ in ranks] == [0] * world, ranks
+    assert all(out == "" for _, out, _ in ranks[1:]), ranks  # only rank 0 prints
+    return ranks[0][1]
 
 
 def digest(out):
@@ -50,14 +35,6 @@ def digest(out):
 
 def timed(record_property, what, start):
     record_property("timing", f"{what}: {time.perf_counter() - start:.1f} s")
-
-
-def load_example(path):
-    """The example as a module, to rebuild its model in the test."""
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_ddp_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path, record_property):

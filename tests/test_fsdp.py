@@ -1,14 +1,13 @@
 """examples/fsdp/: FSDP2 (fully_shard) under torchrun and as srun tasks, on CPU with gloo."""
 
 import re
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
 
-from conftest import EXAMPLES, epoch_losses, example_env, free_port, run
+from conftest import EXAMPLES, epoch_losses, example_env, free_port, launch, run
 
 FSDP = EXAMPLES / "fsdp" / "fsdp_train.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
@@ -29,21 +28,7 @@ def holdings(out):
 
 def srun_tasks(tmp_path, args, world=2):
     """Start world processes as srun does (SLURM_PROCID, ...); return [(rc, stdout, stderr)]."""
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = example_env(SLURM_PROCID=rank, SLURM_NTASKS=world, SLURM_LOCALID=rank,
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS=1)  # fmt: skip
-        procs.append(subprocess.Popen(
-            [sys.executable, FSDP, *args], cwd=tmp_path, env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        ))  # fmt: skip
-    try:
-        outputs = [proc.communicate(timeout=120) for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
-    return [(proc.returncode, *output) for proc, output in zip(procs, outputs, strict=True)]
+    return launch([sys.executable, FSDP, *args], cwd=tmp_path, world=world)
 
 
 def test_torchrun_shards_the_model_and_trains(tmp_path, record_property):

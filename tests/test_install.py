@@ -1,22 +1,18 @@
 """examples/install/: check_pytorch.py, make_venv.sh, make_conda_env.sh and environment.yml."""
 
-import importlib.util
 import sys
 
 import pytest
 import torch
 import yaml
 
-from conftest import EXAMPLES, VERSIONS, copy_example, example_env, run
+from conftest import EXAMPLES, VERSIONS, copy_example, example_env, load_example, run
 
 CHECK = EXAMPLES / "install" / "check_pytorch.py"
 
 
 def load_check_module():
-    spec = importlib.util.spec_from_file_location("check_pytorch", CHECK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example(CHECK)
 
 
 def test_check_pytorch_reports_the_cpu_environment(tmp_path):

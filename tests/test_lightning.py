@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from conftest import EXAMPLES, epoch_losses, example_env, free_port, run
+from conftest import EXAMPLES, epoch_losses, example_env, free_port, run, slurm_task_env
 
 TRAIN = EXAMPLES / "lightning" / "lightning_train.py"
 TINY = ["--device", "cpu", "--fake-data", "--fake-size", "1024", "--epochs", "3",
@@ -26,13 +26,7 @@ losses = epoch_losses
 
 def srun_env(rank, tasks=2, **extra):
     """What srun gives task `rank` of a one-node step (and the job script's MASTER_*)."""
-    variables = dict(
-        SLURM_JOB_ID=4242, SLURM_JOB_NAME="lightning", SLURM_NTASKS=tasks,
-        SLURM_STEP_NUM_TASKS=tasks, SLURM_NTASKS_PER_NODE=tasks, SLURM_NNODES=1,
-        SLURM_PROCID=rank, SLURM_LOCALID=rank, SLURM_NODEID=0, SLURMD_NODENAME="n1",
-        MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS=1,
-    )  # fmt: skip
-    return example_env(**{**variables, **extra})
+    return slurm_task_env(rank, tasks, SLURM_STEP_NUM_TASKS=tasks, **extra)
 
 
 def start_tasks(args, cwd, **extra):

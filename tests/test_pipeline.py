@@ -3,14 +3,13 @@ alone and as data-parallel replicas on a 2-D device mesh, on CPU with gloo."""
 
 import re
 import socket
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
 
-from conftest import EXAMPLES, copy_example, epoch_losses, example_env, free_port, run
+from conftest import EXAMPLES, copy_example, epoch_losses, example_env, free_port, launch, run
 
 PIPELINE = EXAMPLES / "pipeline" / "pipeline.py"
 PIPELINE_DDP = EXAMPLES / "pipeline-ddp" / "pipeline_ddp.py"
@@ -24,23 +23,7 @@ losses = epoch_losses
 
 def srun_style(script, processes, args, cwd, timeout=120):
     """Start the processes as srun starts tasks; return [(returncode, stdout, stderr)]."""
-    port = free_port()
-    procs = []
-    try:
-        for rank in range(processes):
-            env = example_env(
-                SLURM_PROCID=rank, SLURM_NTASKS=processes, SLURM_LOCALID=rank,
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS=1,
-            )  # fmt: skip
-            procs.append(subprocess.Popen(
-                [sys.executable, script, *args], cwd=cwd, env=env,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            ))  # fmt: skip
-        outputs = [proc.communicate(timeout=timeout) for proc in procs]
-    finally:
-        for proc in procs:  # after a timeout, leave no process behind
-            proc.kill()
-    return [(proc.returncode, *output) for proc, output in zip(procs, outputs, strict=True)]
+    return launch([sys.executable, script, *args], cwd=cwd, world=processes, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -6,16 +6,14 @@ show is in the tests marked gpu.
 
 import signal
 import socket
-import subprocess
 import sys
 import time
-import types
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from conftest import EXAMPLES, example_env, free_port, run
+from conftest import EXAMPLES, example_env, free_port, launch, load_example, run, slurm_task_env
 
 HERE = EXAMPLES / "troubleshooting"
 C10_ERROR = HERE / "c10_error.py"
@@ -36,51 +34,17 @@ CONV_MESSAGE = (
 
 
 def run_ranks(script, args, cwd, ranks=2, timeout=120, **extra):
-    """Start `ranks` processes as torchrun would (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*) and
-    return [(exit code, stdout, stderr)] once all have ended. (A candidate for conftest.)"""
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, script, *map(str, args)],
-            cwd=cwd,
-            env=example_env(
-                RANK=rank,
-                WORLD_SIZE=ranks,
-                LOCAL_RANK=rank,
-                LOCAL_WORLD_SIZE=ranks,
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=port,
-                OMP_NUM_THREADS=1,
-                **extra,
-            ),  # fmt: skip
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(ranks)
-    ]
-    try:
-        outputs = [proc.communicate(timeout=timeout) for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
-    return [(proc.returncode, out, err) for proc, (out, err) in zip(procs, outputs, strict=True)]
+    """`ranks` processes of script as torchrun starts them: [(exit code, stdout, stderr)]."""
+    return launch([sys.executable, script, *args], cwd=cwd, world=ranks, launcher="torchrun",
+                  timeout=timeout, **extra)  # fmt: skip
 
 
 def run_together(*calls):
     """run() for several (command, keywords) at once: this file starts PyTorch about 30 times,
-    and two cores start it twice as fast as one. (A candidate for conftest.)"""
+    and two cores start it twice as fast as one."""
     with ThreadPoolExecutor(len(calls)) as pool:
         futures = [pool.submit(run, command, **keywords) for command, keywords in calls]
         return [future.result() for future in futures]
-
-
-def load_example(path):
-    """An example as a module, to test one of its functions on its own (its main() does not
-    run, and no bytecode is written into examples/)."""
-    module = types.ModuleType(path.stem)
-    exec(compile(path.read_text(encoding="utf-8"), str(path), "exec"), module.__dict__)
-    return module
 
 
 # --- c10::Error ------------------------------------------------------------------------------
@@ -388,20 +352,8 @@ def test_one_download_at_a_time_gives_every_rank_the_data(tmp_path, fix):
 # --- Lightning under Slurm -------------------------------------------------------------------
 
 
-def slurm_task_env(**extra):
-    """What rank 0 of a one-node, two-task allocation sees; srun adds SLURM_STEP_NUM_TASKS.
-    (A candidate for conftest, with tests/test_lightning.py's srun_env.)"""
-    variables = dict(
-        SLURM_JOB_ID=4242, SLURM_JOB_NAME="train", SLURM_NTASKS=2, SLURM_NTASKS_PER_NODE=2,
-        SLURM_NNODES=1, SLURM_NODELIST="n1", SLURM_PROCID=0, SLURM_LOCALID=0, SLURM_NODEID=0,
-        SLURMD_NODENAME="n1", MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(),
-        OMP_NUM_THREADS=1,
-    )  # fmt: skip
-    return example_env(**{**variables, **extra})
-
-
 def test_lightning_devices_that_differ_from_srun_stop_fit(tmp_path):
-    env = slurm_task_env(SLURM_STEP_NUM_TASKS=2)
+    env = slurm_task_env(SLURM_STEP_NUM_TASKS=2, MASTER_PORT=free_port())
     proc = run([sys.executable, LIGHTNING_SLURM, "--devices", "1"], cwd=tmp_path, env=env,
                expect_rc=1)  # fmt: skip
     assert proc.stderr.endswith(
@@ -417,11 +369,17 @@ def test_leaked_slurm_variables_make_lightning_wait_and_an_interactive_name_avoi
     leaked, interactive = run_together(
         (
             [sys.executable, LIGHTNING_SLURM, "--devices", "2", "--init-timeout", 1],
-            dict(cwd=tmp_path, env=slurm_task_env(), expect_rc=1, timeout=60),  # no srun step
+            dict(
+                cwd=tmp_path, env=slurm_task_env(MASTER_PORT=free_port()), expect_rc=1, timeout=60
+            ),  # no srun step
         ),
         (
             [sys.executable, LIGHTNING_SLURM],
-            dict(cwd=tmp_path, env=slurm_task_env(SLURM_JOB_NAME="interactive"), timeout=60),
+            dict(
+                cwd=tmp_path,
+                env=slurm_task_env(SLURM_JOB_NAME="interactive", MASTER_PORT=free_port()),
+                timeout=60,
+            ),
         ),
     )
     assert time.monotonic() - start < 40
