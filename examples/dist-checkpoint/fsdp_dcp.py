@@ -332,6 +332,7 @@ def main(argv=None):
     digest = sharded_digest(torch, model)
     if rank == 0:
         print(f"Weights digest: {digest}")
+    dist.barrier()  # no rank tears its groups down while another still communicates
     dist.destroy_process_group()
 
 

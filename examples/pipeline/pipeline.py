@@ -201,6 +201,7 @@ def main(argv=None):
             print(f"epoch {epoch + 1}: loss {loss_sum / images_seen:.4f}, "
                   f"{images_seen / seconds:.0f} images/s")  # fmt: skip
     # [train-end]
+    dist.barrier()  # no rank tears its groups down while another still communicates
     dist.destroy_process_group()
 
 
