@@ -7,6 +7,7 @@ each; it is started once for these tests and stopped at the end. Run only these 
 
 import os
 import re
+import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -308,6 +309,103 @@ def test_job_script_completes_under_slurm(
     if nodes and int(nodes[1]) > 1:  # a multi-node script must really use every node
         for node in ("n1", "n2"):
             assert node in info["output"], f"no output from {node}:\n{info['output']}"
+    if SRUN_LINE.search((EXAMPLES / script).read_text()):
+        check_step_cores(cluster, job_id, info)
+
+
+# A line of a job script that starts tasks with srun.
+SRUN_LINE = re.compile(r"^srun .*$", re.M)
+
+
+def check_step_cores(cluster, job_id, info):
+    """Every srun step of the job got, per task, the cores the job asked for, as Slurm
+    allocated them (tests/slurm/task_prolog.sh logs each step's allocation)."""
+    log = Path(cluster["env"]["SLURM_CONF"]).parent.parent / "log" / "steps.log"
+    steps = {}
+    for line in log.read_text().splitlines():
+        step, _task, *fields = line.split()
+        if step.split(".")[0] == job_id:
+            steps[step] = dict(field.split("=", 1) for field in fields)
+    assert steps, f"no srun step of job {job_id} in {log}"
+    per_task = int(info["CPUs/Task"])
+    for step, fields in steps.items():
+        assert int(fields["CPUs"]) == int(fields["Tasks"]) * per_task, (step, fields, per_task)
+
+
+@pytest.mark.parametrize(
+    "script", [s for s in SBATCH_SCRIPTS if SRUN_LINE.search((EXAMPLES / s).read_text())]
+)
+def test_srun_passes_cores_per_task_and_kills_the_step_on_a_failed_task(script):
+    """Slurm 22.05 to 23.02: srun does not inherit --cpus-per-task from the job, so each srun
+    passes it; and one task that fails must end the step, not leave the others waiting."""
+    for line in SRUN_LINE.findall((EXAMPLES / script).read_text()):
+        assert 'srun -c "$SLURM_CPUS_PER_TASK" --kill-on-bad-exit=1 ' in line, line
+
+
+# Job scripts whose srun starts `python <script>.py`: a stand-in script whose rank 1 fails.
+SRUN_PYTHON = {
+    s: m[1]
+    for s in SBATCH_SCRIPTS
+    if (m := re.search(r"^srun .*?python (\S+\.py)", (EXAMPLES / s).read_text(), re.M))
+}
+
+
+@pytest.mark.parametrize("script", sorted(SRUN_PYTHON))
+def test_one_failed_task_ends_the_job(cluster, job_env, tmp_path, script):
+    """Rank 1 exits at once with an error while the others would run for minutes: with
+    --kill-on-bad-exit=1 srun ends the step and the job fails within seconds."""
+    job = JOBS[script]
+    copy_example(tmp_path, script, *job.files)
+    (tmp_path / SRUN_PYTHON[script]).write_text(
+        "import os, sys, time\n"
+        "if os.environ['SLURM_PROCID'] == '1':\n"
+        "    sys.exit('rank 1: failing on purpose')\n"
+        "time.sleep(300)\n"
+    )
+    env = job_env_for(cluster, job_env, job)
+    start = time.perf_counter()
+    info = wait_for(
+        sbatch(script.split("/")[-1], *job.args, cwd=tmp_path, env=env), env, timeout=90
+    )
+    assert info["JobState"] == "FAILED", info["output"]
+    assert "rank 1: failing on purpose" in info["output"], info["output"]
+    assert time.perf_counter() - start < 60, info["output"]
+
+
+GPU_INDEX_PROBE = """
+import importlib.util, os, sys
+visible = len(os.environ["CUDA_VISIBLE_DEVICES"].split(","))
+local = int(os.environ["SLURM_LOCALID"])
+for path in sys.argv[1:]:
+    spec = importlib.util.spec_from_file_location("probe_" + os.path.basename(path)[:-3], path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    print(os.path.basename(path), local, visible, module.gpu_index(local, visible))
+"""
+GPU_SCRIPTS = sorted(p for p in EXAMPLES.rglob("*.py") if "def gpu_index(" in p.read_text())
+
+
+@pytest.mark.parametrize(
+    ("request_gpus", "per_task"),
+    [("--gpus-per-task=1", True), ("--gpus-per-node=2", False)],
+    ids=["gpus-per-task", "gpus-per-node"],
+)
+def test_scripts_pick_their_gpu_as_slurm_binds_it(cluster, tmp_path, request_gpus, per_task):
+    """Two tasks on one node. With --gpus-per-task=1 Slurm gives each task its own GPU, which
+    the task sees as device 0; with --gpus-per-node=2 both see both and take their local rank.
+    Each distributed script's gpu_index() must follow what the task sees."""
+    assert GPU_SCRIPTS, "no example defines gpu_index()"
+    (tmp_path / "probe.py").write_text(GPU_INDEX_PROBE)
+    proc = run(
+        ["srun", "--nodes=1", "--ntasks=2", request_gpus, "--time=1", sys.executable,
+         "probe.py", *GPU_SCRIPTS], cwd=tmp_path, env=cluster["env"],
+    )  # fmt: skip
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2 * len(GPU_SCRIPTS), proc.stdout + proc.stderr
+    for line in lines:
+        _name, local, visible, index = line.split()
+        want = f"{local} 1 0" if per_task else f"{local} 2 {local}"
+        assert f"{local} {visible} {index}" == want, line
 
 
 @pytest.mark.parametrize("script", SBATCH_SCRIPTS)

@@ -56,6 +56,10 @@ up() {
         -e "s|@N1_PORT@|$((port + 1))|g" -e "s|@N2_PORT@|$((port + 2))|g" \
         "$here/slurm.conf.in" > "$run/etc/slurm.conf"
     cp "$here/gres.conf" "$run/etc/gres.conf"
+    sed -e "s|@RUN@|$run|g" "$here/task_prolog.sh" > "$run/etc/task_prolog.sh"
+    chmod 755 "$run/etc/task_prolog.sh"
+    : > "$run/log/steps.log"
+    chmod 666 "$run/log/steps.log"
 
     slurmctld -c
     wait_for 30 "slurmctld start" scontrol ping
