@@ -42,7 +42,10 @@ def parse_args(argv=None):
         "--nvme-dir", type=Path, help="node-local folder for NVMe offload "
         "(default: $SLURM_TMPDIR, else /tmp/$USER-ds-$SLURM_JOB_ID)",
     )  # fmt: skip
-    parser.add_argument("--init-timeout", type=int, default=60, help="seconds to wait for ranks")
+    parser.add_argument(
+        "--init-timeout", type=int, default=60, help="seconds to start all processes"
+    )
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds a collective may wait")
     parser.add_argument("--seed", type=int, default=0)
     # The deepspeed launcher passes --local_rank; the script reads LOCAL_RANK, which it sets too.
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
@@ -147,12 +150,24 @@ def main(argv=None):
 
     address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     try:
+        # Start-up fails fast: every process must reach rank 0 within --init-timeout. Under
+        # torchrun, its agent already serves the store at MASTER_PORT: connect to it.
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world,
+            is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
+            timeout=datetime.timedelta(seconds=args.init_timeout),
+        )
+        # The group's timeout bounds every later collective: while rank 0 evaluates or saves,
+        # the others wait in the next one. Give it minutes, not the start-up's seconds.
         dist.init_process_group(
             "nccl" if use_cuda else "gloo",
-            init_method=f"tcp://{address}",
+            store=store,
             rank=rank,
             world_size=world,
-            timeout=datetime.timedelta(seconds=args.init_timeout),
+            timeout=datetime.timedelta(seconds=args.timeout),
+            device_id=torch.device("cuda", local_rank) if use_cuda else None,
         )
         dist.barrier()  # returns only once all processes have joined
     except (RuntimeError, TimeoutError) as error:  # DistNetworkError and DistStoreError too

@@ -38,6 +38,19 @@ def fail(message):
     sys.exit(2)
 
 
+def gpu_index(local_rank, visible):
+    """The GPU of this process, given how many it sees: its local rank's when it sees the GPUs
+    of the whole node, device 0 when Slurm bound one GPU to the task (--gpus-per-task=1)."""
+    if visible == 1:
+        return 0
+    if local_rank >= visible:
+        fail(
+            f"local rank {local_rank} but {visible} GPUs visible: request one GPU per process "
+            "(--gpus-per-node equal to the processes per node, or --gpus-per-task=1)"
+        )
+    return local_rank
+
+
 def distributed_environment():
     """rank, world size, local rank, address and port, from torchrun's or Slurm's variables."""
     if "RANK" in os.environ:  # torchrun
@@ -73,7 +86,7 @@ def main(argv=None):
         fail("--device cuda was given but no GPU is visible; request GPUs with --gpus-per-node")
     use_cuda = args.device != "cpu" and torch.cuda.is_available()
     if use_cuda:
-        device = torch.device("cuda", env["local_rank"] % torch.cuda.device_count())
+        device = torch.device("cuda", gpu_index(env["local_rank"], torch.cuda.device_count()))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")

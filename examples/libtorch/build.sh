@@ -10,12 +10,22 @@ cd "$(dirname "${BASH_SOURCE[0]}")"      # the folder of this script and example
 
 # --- Site-specific: your site's modules and the venv from make_venv.sh ---------
 module load python/3.11                  # the Python the venv was built with
-module load gcc/12                       # a C++17 compiler (and cmake, if your site has a module)
-module load cuda/12.8                    # for a CUDA torch: the version of torch.version.cuda
+module load gcc/12                       # a C++20 compiler (and cmake, if your site has a module)
+CUDA_MODULE=cuda                         # the CUDA toolkit's module name, without the version
 VENV=${VENV:-$HOME/venvs/pytorch}        # made by make_venv.sh
 # -------------------------------------------------------------------------------
 # shellcheck source=/dev/null
 source "$VENV/bin/activate"
+
+# A CUDA wheel needs the CUDA toolkit of its own version to compile against (a CPU wheel none).
+cuda=$(python -c 'import torch; print(torch.version.cuda or "")')
+if [[ -n $cuda ]]; then
+    if ! module load "$CUDA_MODULE/$cuda" 2>/dev/null; then
+        echo "build.sh: error: torch was built with CUDA $cuda but there is no module $CUDA_MODULE/$cuda: ask your site, or install a torch for a CUDA it has" >&2
+        exit 1
+    fi
+    echo "Loaded $CUDA_MODULE/$cuda, the CUDA of torch $(python -c 'import torch; print(torch.__version__)')"
+fi
 
 # TorchConfig.cmake is inside the torch package: no separate LibTorch download.
 cmake -S . -B build -DCMAKE_PREFIX_PATH="$(python -c 'import torch; print(torch.utils.cmake_prefix_path)')"

@@ -39,7 +39,10 @@ def parse_args(argv=None):
     parser.add_argument("--data-dir", type=Path, default=Path("data"), help="CIFAR-10 folder")
     parser.add_argument("--fake-data", action="store_true", help="train on generated images")
     parser.add_argument("--fake-size", type=int, default=8192, help="generated images")
-    parser.add_argument("--init-timeout", type=int, default=60, help="seconds to wait for ranks")
+    parser.add_argument(
+        "--init-timeout", type=int, default=60, help="seconds to start all processes"
+    )
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds a collective may wait")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -47,6 +50,19 @@ def parse_args(argv=None):
 def fail(message):
     print(f"pipeline.py: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def gpu_index(local_rank, visible):
+    """The GPU of this process, given how many it sees: its local rank's when it sees the GPUs
+    of the whole node, device 0 when Slurm bound one GPU to the task (--gpus-per-task=1)."""
+    if visible == 1:
+        return 0
+    if local_rank >= visible:
+        fail(
+            f"local rank {local_rank} but {visible} GPUs visible: request one GPU per process "
+            "(--gpus-per-node equal to the processes per node, or --gpus-per-task=1)"
+        )
+    return local_rank
 
 
 def distributed_env():
@@ -121,25 +137,33 @@ def main(argv=None):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if use_cuda and local_rank >= torch.cuda.device_count():
-        fail(
-            f"local rank {local_rank} but {torch.cuda.device_count()} GPUs visible: request one "
-            f"GPU per stage (#SBATCH --gpus-per-node={STAGES})"
-        )
+    gpu = gpu_index(local_rank, torch.cuda.device_count()) if use_cuda else None
     if use_cuda:
-        torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+        torch.cuda.set_device(gpu)
+    device = torch.device("cuda", gpu) if use_cuda else torch.device("cpu")
     dataset = make_dataset(torch, args)  # before waiting for the other processes
     if len(dataset) < args.batch_size:
         fail(f"{len(dataset)} images, fewer than one batch of {args.batch_size}")
     address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     try:
+        # Start-up fails fast: every process must reach rank 0 within --init-timeout. Under
+        # torchrun, its agent already serves the store at MASTER_PORT: connect to it.
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            world,
+            is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
+            timeout=datetime.timedelta(seconds=args.init_timeout),
+        )
+        # The group's timeout bounds every later collective: while rank 0 evaluates or saves,
+        # the others wait in the next one. Give it minutes, not the start-up's seconds.
         dist.init_process_group(
             "nccl" if use_cuda else "gloo",
-            init_method=f"tcp://{address}",
+            store=store,
             rank=rank,
             world_size=world,
-            timeout=datetime.timedelta(seconds=args.init_timeout),
+            timeout=datetime.timedelta(seconds=args.timeout),
+            device_id=device if use_cuda else None,
         )
         dist.barrier()  # returns only once all processes have joined
     except (RuntimeError, TimeoutError) as error:  # DistNetworkError and DistStoreError too

@@ -1,0 +1,136 @@
+"""What every distributed training script does the same way: pick its GPU as Slurm binds
+GPUs (gpu_index), fail fast at start-up, and give later collectives a long timeout."""
+
+import ast
+import sys
+
+import pytest
+
+from conftest import EXAMPLES, launch, load_example
+
+# Scripts that choose a CUDA device for each process and start a process group.
+DISTRIBUTED_GPU = sorted(
+    p for p in EXAMPLES.rglob("*.py")
+    if "init_process_group" in (text := p.read_text()) and "torch.cuda.set_device" in text
+    and p.parent.name != "troubleshooting"  # reproducers of failures, tested on their own
+)  # fmt: skip
+# DeepSpeed takes its device from LOCAL_RANK itself; MPS replicas share one GPU on purpose.
+OWN_DEVICE_CHOICE = {"deepspeed/deepspeed_train.py", "mps/mps_ddp.py"}
+
+
+def rel(path):
+    return str(path.relative_to(EXAMPLES))
+
+
+@pytest.mark.parametrize("script", DISTRIBUTED_GPU, ids=rel)
+def test_each_process_takes_the_gpu_slurm_gave_it(script):
+    if rel(script) in OWN_DEVICE_CHOICE:
+        pytest.skip(f"{rel(script)} leaves the choice of device to its library or shares a GPU")
+    module = load_example(script)
+    assert hasattr(module, "gpu_index"), f"{rel(script)}: define gpu_index(local_rank, visible)"
+    # --gpus-per-node=4 --ntasks-per-node=4: each task sees the node's four GPUs.
+    assert [module.gpu_index(rank, 4) for rank in range(4)] == [0, 1, 2, 3]
+    # --gpus-per-task=1: each task sees only its own GPU, as device 0.
+    assert [module.gpu_index(rank, 1) for rank in range(4)] == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("script", DISTRIBUTED_GPU, ids=rel)
+def test_too_few_gpus_stop_with_one_line(script, capsys):
+    if rel(script) in OWN_DEVICE_CHOICE:
+        pytest.skip(f"{rel(script)} leaves the choice of device to its library or shares a GPU")
+    module = load_example(script)
+    with pytest.raises(SystemExit) as stop:
+        module.gpu_index(2, 2)  # three tasks on a node with two GPUs
+    assert stop.value.code != 0
+    err = capsys.readouterr().err
+    assert "local rank 2 but 2 GPUs visible" in err and "--gpus-per-task=1" in err
+    assert err.count("\n") == 1
+
+
+def init_calls(script):
+    """The keyword arguments of each init_process_group call in the script."""
+    tree = ast.parse(script.read_text(encoding="utf-8"))
+    return [
+        {kw.arg: ast.unparse(kw.value) for kw in node.keywords}
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and ast.unparse(node.func).endswith("init_process_group")
+    ]
+
+
+@pytest.mark.parametrize("script", DISTRIBUTED_GPU, ids=rel)
+def test_process_group_is_bound_to_its_gpu_and_waits_long_in_collectives(script):
+    """device_id binds NCCL to the process's GPU at once (it cannot run on CPU: this reads the
+    call); the group's timeout, which bounds every later collective, is not the start-up one."""
+    if rel(script) == "mps/mps_ddp.py":
+        pytest.skip("mps_ddp.py uses gloo: several replicas share one GPU under MPS")
+    calls = init_calls(script)
+    assert calls, f"{rel(script)} calls no init_process_group"
+    for kwargs in calls:
+        assert "device_id" in kwargs, f"{rel(script)}: pass device_id on GPUs"
+        assert "init_timeout" not in kwargs.get("timeout", ""), (
+            f"{rel(script)}: init_process_group's timeout applies to every collective"
+        )
+
+
+# Rank 0 stalls (as while it evaluates or saves a checkpoint) for longer than the start-up
+# timeout, at the start of its second epoch; the others wait for it in their next collective.
+STALL = """
+import os, runpy, sys, time
+import torch.utils.data
+
+calls = 0
+original = torch.utils.data.DataLoader.__iter__
+
+def stalled(self):
+    global calls
+    calls += 1
+    if calls == 2 and os.environ["SLURM_PROCID"] == "0":
+        time.sleep(float(os.environ["STALL_SECONDS"]))
+    return original(self)
+
+torch.utils.data.DataLoader.__iter__ = stalled
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+SLOW_RANK = {  # script: (processes, options)
+    "ddp/ddp.py": (2, "--device cpu --fake-data --fake-size 256 --epochs 2 --num-workers 0"),
+    "fsdp/fsdp_train.py": (
+        2,
+        "--device cpu --fake-data --fake-size 256 --epochs 2 --width 32 --blocks 1 --num-workers 0",
+    ),  # fmt: skip
+    "dist-checkpoint/ddp_checkpoint.py": (
+        2,
+        "--device cpu --fake-data --fake-size 256 --epochs 2 --num-workers 0 --output-dir ckpt",
+    ),  # fmt: skip
+    "dist-checkpoint/fsdp_dcp.py": (
+        2,
+        "--device cpu --fake-data --fake-size 256 --epochs 2 --width 32 --blocks 1 "
+        "--num-workers 0 --output-dir ckpt",
+    ),  # fmt: skip
+    "pipeline/pipeline.py": (
+        2,
+        "--device cpu --fake-data --fake-size 256 --epochs 2 --num-workers 0",
+    ),  # fmt: skip
+    "pipeline-ddp/pipeline_ddp.py": (
+        4,
+        "--device cpu --fake-data --fake-size 256 --epochs 2 --num-workers 0",
+    ),  # fmt: skip
+}
+
+
+def test_every_distributed_training_script_is_tried_with_a_slow_rank():
+    scripts = {rel(p) for p in DISTRIBUTED_GPU} - OWN_DEVICE_CHOICE
+    scripts -= {"first-job/check_distributed.py"}  # one collective: its --timeout is enough
+    assert scripts == set(SLOW_RANK), "add the script to SLOW_RANK"
+
+
+@pytest.mark.parametrize("script", sorted(SLOW_RANK))
+def test_a_rank_busier_than_the_start_up_timeout_does_not_kill_the_job(script, tmp_path):
+    world, options = SLOW_RANK[script]
+    (tmp_path / "stall.py").write_text(STALL)
+    ranks = launch(
+        [sys.executable, "stall.py", EXAMPLES / script, *options.split(), "--init-timeout", "5"],
+        cwd=tmp_path, world=world, STALL_SECONDS=9, timeout=180,
+    )  # fmt: skip
+    assert [rc for rc, _, _ in ranks] == [0] * world, ranks
+    assert any("epoch 2: loss " in out for _, out, _ in ranks), ranks  # the last stage prints
