@@ -1,5 +1,6 @@
 """examples/precision/: the matrix-product precision table and the mixed-precision loop."""
 
+import importlib.util
 import re
 import sys
 
@@ -67,3 +68,30 @@ def test_precision_on_the_gpu(tmp_path):
     # TF32 keeps 10 mantissa bits: less precise than float32, and faster.
     assert table["float32"][0] < table["tf32"][0] < table["bfloat16"][0]
     assert table["tf32"][1] < table["float32"][1]
+
+
+LIGHTNING_CHECK = """
+import sys, types
+import torch
+from lightning.pytorch.accelerators.cuda import _check_cuda_matmul_precision
+
+# An H100, as Lightning's check sees it (no GPU here: the check reads only these three).
+torch.cuda.is_available = lambda: True
+torch.cuda.get_device_capability = lambda device=None: (9, 0)
+torch.cuda.get_device_name = lambda device=None: "NVIDIA H100 80GB HBM3"
+module = types.ModuleType("precision")
+exec(compile(open(sys.argv[1]).read(), sys.argv[1], "exec"), module.__dict__)
+module.set_tf32(torch, True)
+_check_cuda_matmul_precision(torch.device("cuda", 0))
+print("Lightning's check passed:", torch.get_float32_matmul_precision())
+"""
+
+
+def test_the_recommended_tf32_setting_survives_lightnings_check(tmp_path):
+    """Lightning 2.6 reads torch.get_float32_matmul_precision() on Ampere and newer GPUs;
+    after torch.backends.cuda.matmul.fp32_precision = "tf32" that raises on torch 2.9-2.13."""
+    if importlib.util.find_spec("lightning") is None:  # imported in the subprocess only
+        pytest.skip("lightning is in requirements.txt: run make venv")
+    (tmp_path / "check.py").write_text(LIGHTNING_CHECK)
+    out = run([sys.executable, "check.py", PRECISION], cwd=tmp_path).stdout
+    assert "Lightning's check passed: high" in out

@@ -35,13 +35,11 @@ def fail(message):
 
 
 def set_tf32(torch, enabled):
-    """Allow TF32 in float32 matrix products, or not. Use one API only: reading the legacy
-    flag after setting the current one raises a RuntimeError."""
-    matmul = torch.backends.cuda.matmul
-    if hasattr(matmul, "fp32_precision"):  # PyTorch 2.9 and later
-        matmul.fp32_precision = "tf32" if enabled else "ieee"
-    else:  # older releases: the legacy flag
-        matmul.allow_tf32 = enabled
+    """Allow TF32 in float32 matrix products, or not. set_float32_matmul_precision works on
+    every release since 1.12 and keeps the legacy and the per-backend settings consistent;
+    setting torch.backends.cuda.matmul.fp32_precision instead makes
+    torch.get_float32_matmul_precision() raise on 2.9 to 2.13, and Lightning calls it."""
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
 
 
 def time_product(torch, a, b, repeats):
