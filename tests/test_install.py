@@ -6,7 +6,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import EXAMPLES, VERSIONS, copy_example, example_env, load_example, run
+from conftest import EXAMPLES, TESTS, VERSIONS, copy_example, example_env, load_example, run
 
 CHECK = EXAMPLES / "install" / "check_pytorch.py"
 
@@ -44,9 +44,78 @@ def test_check_pytorch_warns_when_the_scheduler_gave_a_gpu_it_cannot_see(tmp_pat
     out = run([sys.executable, CHECK, "--size", "32"], cwd=tmp_path, env=env).stdout
     assert "GPUs requested:  SLURM_JOB_GPUS=0" in out
     assert (
-        "WARNING: the scheduler gave this job GPUs (SLURM_JOB_GPUS=0) but PyTorch sees none" in out
+        "WARNING: the scheduler gave this job GPUs (SLURM_JOB_GPUS=0) but PyTorch sees none: "
+        "this PyTorch is a CPU-only build" in out
     )
     assert "works on cpu" in out
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "gpus"),
+    [
+        ("SLURM_GPUS_ON_NODE", "10", 10),  # once read as "no GPU" because it ends in 0
+        ("SLURM_GPUS_ON_NODE", "0", 0),
+        ("SLURM_GPUS_PER_NODE", "gpu:a100:2", 2),
+        ("SLURM_GPUS", "a100:2,h100:1", 3),
+        ("SLURM_JOB_GPUS", "0-3", 4),
+        ("SLURM_JOB_GPUS", "0,1", 2),
+        ("SGE_HGR_gpu", "0 1", 2),  # Grid Engine lists the granted GPUs with spaces
+        ("SLURM_STEP_GPUS", "none", 0),
+    ],
+)
+def test_gpu_requests_are_counted_from_scheduler_variables(monkeypatch, variable, value, gpus):
+    check = load_check_module()
+    assert check.gpus_in(variable, value) == gpus
+    for name in check.GPU_LIST_VARIABLES + check.GPU_COUNT_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, value)
+    assert check.gpu_request() == (f"{variable}={value}" if gpus else None)
+
+
+# check_pytorch.py run on this CPU torch made to look like another build.
+AS_BUILD = """
+import runpy, sys, torch
+torch.version.cuda = sys.argv[1] or None
+torch.version.hip = sys.argv[2] or None
+sys.argv = sys.argv[3:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def as_build(tmp_path, cuda, hip, *args, expect_rc=0, **variables):
+    (tmp_path / "as_build.py").write_text(AS_BUILD)
+    env = example_env(**variables)
+    env["PATH"] = f"{TESTS / 'standins'}:{env['PATH']}"  # nvidia-smi
+    return run([sys.executable, "as_build.py", cuda, hip, CHECK, "--size", "32", *args],
+               cwd=tmp_path, env=env, expect_rc=expect_rc)  # fmt: skip
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="shows the outcome without a GPU")
+def test_a_driver_older_than_the_build_is_named_with_the_build_to_install(tmp_path):
+    """The default torch 2.13.0 wheel is built for CUDA 13; a node whose driver supports
+    only CUDA 12.4 sees no GPU with it. The check names the driver and the build to use."""
+    old = {"NVIDIA_SMI_DRIVER": "550.54.15", "NVIDIA_SMI_CUDA": "12.4", "SLURM_JOB_GPUS": "0"}
+    out = as_build(tmp_path, "13.0", "", **old).stdout
+    assert "NVIDIA driver:   550.54.15 (supports CUDA up to 12.4)" in out
+    assert (
+        "PyTorch sees none: the NVIDIA driver 550.54.15 supports CUDA up to 12.4, older than "
+        "the CUDA 13.0 this PyTorch is built for: reinstall with TORCH_BUILD=cu128" in out
+    )
+    assert "CUDA_VISIBLE_DEVICES" not in out
+    proc = as_build(tmp_path, "13.0", "", "--device", "cuda", expect_rc=2, **old)
+    assert proc.stderr.count("\n") == 1 and "TORCH_BUILD=cu128" in proc.stderr, proc.stderr
+    # A driver as new as the build: then the GPU must be hidden from the job.
+    new = {**old, "NVIDIA_SMI_DRIVER": "580.95.05", "NVIDIA_SMI_CUDA": "13.0"}
+    out = as_build(tmp_path, "13.0", "", **new).stdout
+    assert "PyTorch sees none: check CUDA_VISIBLE_DEVICES" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="shows the outcome without a GPU")
+def test_a_rocm_build_is_not_called_cpu_only(tmp_path):
+    out = as_build(tmp_path, "", "6.4.43482", SLURM_JOB_GPUS="0").stdout
+    assert "CUDA build:      none: a ROCm build, HIP 6.4.43482 (AMD GPUs)" in out
+    assert "CPU-only" not in out and "NVIDIA driver" not in out
+    assert "PyTorch sees none: check HIP_VISIBLE_DEVICES" in out
 
 
 def test_check_pytorch_without_torch_says_what_to_do(tmp_path):

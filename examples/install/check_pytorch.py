@@ -4,7 +4,9 @@ Run it after installing PyTorch (on a login node) and as your first job (on a co
 It prints one line per fact, runs a small matrix product on the chosen device, and warns,
 naming the fix, when the GPU's architecture is missing from this PyTorch build ("no kernel
 image is available for execution on the device") or when a GPU was requested but none is
-visible. With --device cuda it fails unless a usable GPU is there.
+visible, and says why: a CPU-only build, or an NVIDIA driver too old for the CUDA of this
+build (nvidia-smi shows the newest CUDA the driver supports). ROCm builds are recognised.
+With --device cuda it fails unless a usable GPU is there.
 
     python check_pytorch.py
     python check_pytorch.py --device cuda
@@ -15,6 +17,8 @@ Job scripts: check_pytorch.sbatch (Slurm) and check_pytorch.qsub (Grid Engine).
 import argparse
 import os
 import platform
+import re
+import subprocess
 import sys
 import time
 
@@ -54,14 +58,82 @@ def fail(message):
     sys.exit(2)
 
 
+def gpus_in(name, value):
+    """How many GPUs a scheduler variable names: a list of indices ("0,1", "0-3", Grid
+    Engine's "0 1") or a count, possibly typed ("2", "gpu:10", "gpu:a100:2", "a100:2,h100:1")."""
+    if name in GPU_LIST_VARIABLES:
+        total = 0
+        for part in re.split(r"[,\s]+", value.strip()):
+            low, _, high = part.partition("-")
+            if not low.strip().isdigit() or (high and not high.strip().isdigit()):
+                return 0
+            total += int(high) - int(low) + 1 if high else 1
+        return total
+    total = 0
+    for part in value.split(","):
+        count = part.split("(")[0].rsplit(":", 1)[-1].strip()
+        total += int(count) if count.isdigit() else 0
+    return total
+
+
 def gpu_request():
     """Return 'NAME=value' for the first scheduler variable that shows a GPU request."""
     for name in GPU_LIST_VARIABLES + GPU_COUNT_VARIABLES:
         value = os.environ.get(name, "")
-        if value in ("", "(null)") or (name in GPU_COUNT_VARIABLES and value.endswith("0")):
+        if value in ("", "(null)") or gpus_in(name, value) == 0:
             continue
         return f"{name}={value}"
     return None
+
+
+def driver_cuda():
+    """(driver version, newest CUDA version it supports) from nvidia-smi, or None."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi"], capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    driver = re.search(r"Driver Version: *([\d.]+)", out)
+    cuda = re.search(r"CUDA Version: *(\d+)\.(\d+)", out)
+    if not (driver and cuda):
+        return None
+    return driver[1], (int(cuda[1]), int(cuda[2]))
+
+
+def build_for_driver(cuda):
+    """The PyTorch wheel index (cu126, cu128, cu130) for a driver's newest CUDA version.
+    Within one major CUDA version a newer runtime runs on an older driver; not across."""
+    if cuda >= (13, 0):
+        return "cu130"
+    if cuda >= (12, 0):
+        return "cu128 (cu126 for V100 and other Volta GPUs)"
+    return None
+
+
+def why_no_gpu(torch, driver):
+    """Why a CUDA or ROCm build sees no GPU that the scheduler gave, in one sentence."""
+    if torch.version.hip:
+        return "check HIP_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES and that the job has the GPUs"
+    if not torch.version.cuda:
+        return (
+            "this PyTorch is a CPU-only build: install a CUDA build (make_venv.sh with "
+            "TORCH_BUILD=cu128, or your site's module)"
+        )
+    built = tuple(int(n) for n in torch.version.cuda.split(".")[:2])
+    if driver and driver[1][0] < built[0]:
+        version, cuda = driver
+        wheel = build_for_driver(cuda)
+        fix = (
+            f"reinstall with TORCH_BUILD={wheel.split()[0]} bash make_venv.sh ({wheel})"
+            if wheel
+            else "ask your site for a newer driver"
+        )
+        return (
+            f"the NVIDIA driver {version} supports CUDA up to {cuda[0]}.{cuda[1]}, older than "
+            f"the CUDA {torch.version.cuda} this PyTorch is built for: {fix}"
+        )
+    return "check CUDA_VISIBLE_DEVICES (the scheduler sets it; a job script must not reset it)"
 
 
 def cpu_threads():
@@ -108,7 +180,13 @@ def main(argv=None):
 
     print(f"Python:          {platform.python_version()} ({sys.executable})")
     print(f"PyTorch:         {torch.__version__}")
-    print(f"CUDA build:      {torch.version.cuda or 'none (CPU-only build)'}")
+    if torch.version.hip:
+        print(f"CUDA build:      none: a ROCm build, HIP {torch.version.hip} (AMD GPUs)")
+    else:
+        print(f"CUDA build:      {torch.version.cuda or 'none (CPU-only build)'}")
+    driver = driver_cuda() if torch.version.cuda else None
+    if driver:
+        print(f"NVIDIA driver:   {driver[0]} (supports CUDA up to {driver[1][0]}.{driver[1][1]})")
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     print(f"cuDNN:           {cudnn or 'not available'}")
     arch_list = torch.cuda.get_arch_list()
@@ -143,11 +221,12 @@ def main(argv=None):
     if requested and count == 0:
         print(
             f"WARNING: the scheduler gave this job GPUs ({requested}) but PyTorch sees none: "
-            "check CUDA_VISIBLE_DEVICES and that this PyTorch is a CUDA build "
-            "(CUDA build above must not be 'none')."
+            f"{why_no_gpu(torch, driver)}."
         )
 
     if args.device == "cuda" and usable == 0:
+        if count == 0 and requested:
+            fail(f"--device cuda was given but PyTorch sees no GPU: {why_no_gpu(torch, driver)}")
         if count == 0:
             fail(f"--device cuda was given but no GPU is visible; {HOW_TO_REQUEST_A_GPU}")
         fail("--device cuda was given but this PyTorch has no kernels for the visible GPUs")
