@@ -177,6 +177,16 @@ def test_make_venv_rejects_a_missing_wheelhouse(tmp_path, job_env):
     assert not (tmp_path / "venv").exists()
 
 
+def test_make_venv_rejects_an_unknown_build(tmp_path, job_env):
+    copy_example(tmp_path, "install/make_venv.sh", "install/check_pytorch.py")
+    env = {**job_env, "VENV": str(tmp_path / "venv"), "TORCH_BUILD": "cu118"}
+    proc = run(["bash", "make_venv.sh"], cwd=tmp_path, env=env, expect_rc=1)
+    assert proc.stderr == (
+        "make_venv.sh: error: TORCH_BUILD=cu118: use default, cu130, cu128, cu126 or cpu\n"
+    )
+    assert not (tmp_path / "venv").exists()
+
+
 def test_make_conda_env_creates_the_environment_and_checks_it(tmp_path, job_env):
     """conda's channels cannot be reached here: tests/standins/conda plays conda's part
     (it logs the calls and makes a venv that sees the tests' torch)."""
