@@ -138,7 +138,8 @@ class Job:
     files: tuple = ()
     args: tuple = ()
     expect: tuple = ()
-    venv: str = ""  # a fixture giving the venv the job activates, when not the tests' own
+    venv: str = ""  # a fixture giving the venv (or conda prefix) the job activates, when not
+    # the tests' own
 
 
 def copy_example(tmp_path, *names):
@@ -236,6 +237,17 @@ def activated(venv, **extra):
     env = site_env(VIRTUAL_ENV=venv, **extra)
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env['PATH']}"
     return env
+
+
+@pytest.fixture(scope="session")
+def conda_env(tmp_path_factory):
+    """A conda environment made by examples/install/make_conda_env.sh with the tests' conda
+    stand-in (tests/standins/conda): (its prefix,)."""
+    folder = tmp_path_factory.mktemp("conda")
+    for name in ("make_conda_env.sh", "environment.yml", "check_pytorch.py"):
+        shutil.copy2(EXAMPLES / "install" / name, folder / name)
+    run(["bash", "make_conda_env.sh"], cwd=folder, env=site_env(CONDA_ENV=folder / "env"))
+    return (folder / "env",)
 
 
 @pytest.fixture(scope="session")

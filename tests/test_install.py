@@ -204,3 +204,34 @@ def test_make_conda_env_creates_the_environment_and_checks_it(tmp_path, job_env)
     assert calls[1].startswith(f"conda run --prefix {tmp_path / 'env'} python ")
     assert f"({tmp_path / 'env' / 'bin' / 'python'})" in out
     assert f"Environment ready: conda activate {tmp_path / 'env'}" in out
+
+
+def make_conda_env(tmp_path, job_env):
+    """An environment made by make_conda_env.sh with the conda stand-in; its prefix."""
+    copy_example(
+        tmp_path, "install/make_conda_env.sh", "install/environment.yml", "install/check_pytorch.py"
+    )
+    env = {**job_env, "CONDA_ENV": str(tmp_path / "env")}
+    run(["bash", "make_conda_env.sh"], cwd=tmp_path, env=env)
+    return tmp_path / "env"
+
+
+@pytest.mark.parametrize("hook", [True, False], ids=["with-hook", "without-hook"])
+def test_conda_job_script_activates_the_environment_in_batch(tmp_path, job_env, hook):
+    """A batch shell has no `conda init` setup: `conda activate` alone fails, as the real
+    conda does; after `eval "$(conda shell.bash hook)"` it works."""
+    prefix = make_conda_env(tmp_path, job_env)
+    copy_example(tmp_path, "install/check_pytorch_conda.sbatch")
+    script = tmp_path / "check_pytorch_conda.sbatch"
+    hook_line = 'eval "$(conda shell.bash hook)"\n'
+    assert hook_line in script.read_text()
+    if not hook:
+        script.write_text(script.read_text().replace(hook_line, ""))
+    env = {**job_env, "CONDA_ENV": str(prefix), "SLURM_JOB_ID": "4242"}
+    proc = run(["bash", script.name, "--size", "32"], cwd=tmp_path, env=env, expect_rc=None)
+    if hook:
+        assert proc.returncode == 0, proc.stderr
+        assert f"conda environment {prefix}" in proc.stdout
+        assert f"({prefix / 'bin' / 'python'})" in proc.stdout  # check_pytorch.py ran in it
+    else:
+        assert proc.returncode != 0 and "Run 'conda init' before 'conda activate'" in proc.stderr

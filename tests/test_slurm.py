@@ -42,6 +42,12 @@ JOBS = {
             "All 4 processes on 2 node(s) (n1, n2) reached each other",
         ),
     ),
+    "install/check_pytorch_conda.sbatch": Job(
+        files=("install/check_pytorch.py",),
+        args=("--size", "64"),
+        expect=("Job {job_id} on ", "conda environment ", "Result: PyTorch"),
+        venv="conda_env",  # made by make_conda_env.sh with the conda stand-in
+    ),
     "precision/precision.sbatch": Job(
         files=("precision/precision.py",),
         args=("--size", "64", "--repeats", "2", "--train-steps", "5"),
@@ -211,7 +217,7 @@ JOBS = {
         expect=(
             "Job {job_id} on ",
             "building in /tmp/libtorch-{job_id}",
-            "(C++ 201703, compiler ",
+            "(C++ 202002, compiler ",
             "CUDA available: no",
             "Training on cpu: 1024 samples, 577 parameters",
             "epoch 3: loss ",
@@ -272,9 +278,13 @@ def cluster(slurm_cluster, tmp_path_factory):
 
 
 def job_env_for(cluster, job_env, job=None, request=None):
-    env = {**job_env, "SLURM_CONF": cluster["env"]["SLURM_CONF"]}
+    # SLURM_EXACT=1 (srun --exact): a step gets exactly tasks x srun's cores per task, so the
+    # allocation that tests/slurm/task_prolog.sh logs shows what srun asked for. Without it,
+    # a step without -c gets the whole job's cores, which hides a srun that asks for one core
+    # per task (the default of srun in Slurm 22.05 to 23.02) and so binds each task to one core.
+    env = {**job_env, "SLURM_CONF": cluster["env"]["SLURM_CONF"], "SLURM_EXACT": "1"}
     if job is not None and job.venv:  # the job activates a venv built by a fixture
-        env["VENV"] = str(request.getfixturevalue(job.venv)[0])
+        env["VENV"] = env["CONDA_ENV"] = str(request.getfixturevalue(job.venv)[0])
     return env
 
 
@@ -309,12 +319,17 @@ def test_job_script_completes_under_slurm(
     if nodes and int(nodes[1]) > 1:  # a multi-node script must really use every node
         for node in ("n1", "n2"):
             assert node in info["output"], f"no output from {node}:\n{info['output']}"
-    if SRUN_LINE.search((EXAMPLES / script).read_text()):
+    if SRUN_LINE.search(commands(script)):
         check_step_cores(cluster, job_id, info)
 
 
-# A line of a job script that starts tasks with srun.
-SRUN_LINE = re.compile(r"^srun .*$", re.M)
+def commands(script):
+    """The job script's text with each command on one line (continuation lines joined)."""
+    return re.sub(r"\\\n\s*", " ", (EXAMPLES / script).read_text())
+
+
+# A command of a job script that starts tasks with srun.
+SRUN_LINE = re.compile(r"^[ \t]*(?:exec[ \t]+)?srun[ \t].*$", re.M)
 
 
 def check_step_cores(cluster, job_id, info):
@@ -329,25 +344,29 @@ def check_step_cores(cluster, job_id, info):
     assert steps, f"no srun step of job {job_id} in {log}"
     per_task = int(info["CPUs/Task"])
     for step, fields in steps.items():
+        assert {"CPUs", "Tasks"} <= fields.keys(), (step, fields)  # scontrol failed in the prolog
         assert int(fields["CPUs"]) == int(fields["Tasks"]) * per_task, (step, fields, per_task)
 
 
-@pytest.mark.parametrize(
-    "script", [s for s in SBATCH_SCRIPTS if SRUN_LINE.search((EXAMPLES / s).read_text())]
-)
+@pytest.mark.parametrize("script", [s for s in SBATCH_SCRIPTS if SRUN_LINE.search(commands(s))])
 def test_srun_passes_cores_per_task_and_kills_the_step_on_a_failed_task(script):
     """Slurm 22.05 to 23.02: srun does not inherit --cpus-per-task from the job, so each srun
     passes it; and one task that fails must end the step, not leave the others waiting."""
-    for line in SRUN_LINE.findall((EXAMPLES / script).read_text()):
+    for line in SRUN_LINE.findall(commands(script)):
         assert 'srun -c "$SLURM_CPUS_PER_TASK" --kill-on-bad-exit=1 ' in line, line
 
 
-# Job scripts whose srun starts `python <script>.py`: a stand-in script whose rank 1 fails.
-SRUN_PYTHON = {
-    s: m[1]
-    for s in SBATCH_SCRIPTS
-    if (m := re.search(r"^srun .*?python (\S+\.py)", (EXAMPLES / s).read_text(), re.M))
-}
+# Job scripts whose srun starts `python <script>.py` or `torchrun ... <script>.py`: each gets a
+# stand-in script whose rank 1 (the task with SLURM_PROCID 1) fails.
+SRUN_STARTS = re.compile(r"^[ \t]*srun[ \t].*?\b(?:python3?|torchrun)[ \t].*?(\S+\.py)\b", re.M)
+SRUN_PYTHON = {s: m[1] for s in SBATCH_SCRIPTS if (m := SRUN_STARTS.search(commands(s)))}
+
+
+def test_every_srun_job_gets_a_failed_task_test():
+    """Each job script that starts tasks with srun is one test_one_failed_task_ends_the_job
+    knows how to break (its srun runs python or torchrun with a .py script)."""
+    with_srun = [s for s in SBATCH_SCRIPTS if SRUN_LINE.search(commands(s))]
+    assert with_srun and sorted(SRUN_PYTHON) == with_srun
 
 
 @pytest.mark.parametrize("script", sorted(SRUN_PYTHON))
@@ -380,7 +399,8 @@ for path in sys.argv[1:]:
     spec = importlib.util.spec_from_file_location("probe_" + os.path.basename(path)[:-3], path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    print(os.path.basename(path), local, visible, module.gpu_index(local, visible))
+    index = module.gpu_index(local, visible)
+    print(os.path.basename(path), local, visible, index, os.environ["CUDA_VISIBLE_DEVICES"])
 """
 GPU_SCRIPTS = sorted(p for p in EXAMPLES.rglob("*.py") if "def gpu_index(" in p.read_text())
 
@@ -403,9 +423,11 @@ def test_scripts_pick_their_gpu_as_slurm_binds_it(cluster, tmp_path, request_gpu
     lines = proc.stdout.splitlines()
     assert len(lines) == 2 * len(GPU_SCRIPTS), proc.stdout + proc.stderr
     for line in lines:
-        _name, local, visible, index = line.split()
+        _name, local, visible, index, _devices = line.split()
         want = f"{local} 1 0" if per_task else f"{local} 2 {local}"
         assert f"{local} {visible} {index}" == want, line
+    bound = {line.split()[1]: line.split()[4] for line in lines}  # local rank: its GPUs
+    assert len(set(bound.values())) == (2 if per_task else 1), bound  # per task: one GPU each
 
 
 @pytest.mark.parametrize("script", SBATCH_SCRIPTS)
