@@ -83,6 +83,24 @@ def test_job_script_completes_under_grid_engine(cell_env, tmp_path, script, reco
 
 
 @pytest.mark.parametrize("script", QSUB_SCRIPTS)
+def test_without_its_shell_line_a_job_script_fails_under_a_stock_queue(cell_env, tmp_path, script):
+    """A stock queue (shell_start_mode posix_compliant) starts the script with the queue's
+    shell, /bin/csh, not with its #! line: `#$ -S /bin/bash` is what makes it run."""
+    job = JOBS[script]
+    copy_example(tmp_path, script, *job.files)
+    name = script.split("/")[-1]
+    text = (tmp_path / name).read_text()
+    assert "\n#$ -S /bin/bash\n" in text, f"{script}: add #$ -S /bin/bash"
+    (tmp_path / name).write_text(text.replace("\n#$ -S /bin/bash\n", "\n"))
+    job_id = qsub(name, *job.args, cwd=tmp_path, env=cell_env)
+    record = wait_for(job_id, cell_env)
+    outputs = list(tmp_path.glob(f"*.o{job_id}"))
+    output = outputs[0].read_text() if outputs else ""
+    assert (record["failed"], record["exit_status"]) != ("0", "0"), output
+    assert "Result: PyTorch" not in output, output
+
+
+@pytest.mark.parametrize("script", QSUB_SCRIPTS)
 def test_a_broken_job_script_fails_under_grid_engine(cell_env, tmp_path, script):
     job = JOBS[script]
     copy_example(tmp_path, script, *job.files)

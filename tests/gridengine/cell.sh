@@ -78,8 +78,9 @@ up() {
     fi
     if ! qconf -sql 2>/dev/null | grep -qx all.q; then
         edit "qconf -aq" "s/^qname .*/qname all.q/" "s/^hostlist .*/hostlist $host/" \
-            "s/^slots .*/slots 4/" "s/^pe_list .*/pe_list smp/" "s|^shell .*|shell /bin/bash|" \
-            "s/^shell_start_mode .*/shell_start_mode unix_behavior/"
+            "s/^slots .*/slots 4/" "s/^pe_list .*/pe_list smp/"
+        # shell and shell_start_mode stay as Grid Engine installs them (posix_compliant: the
+        # queue's shell runs the script, not its #! line), so the tests see what readers see.
     fi
     qconf -rattr queue load_thresholds NONE all.q >/dev/null
     /usr/sbin/sge_execd
