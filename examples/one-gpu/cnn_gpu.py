@@ -55,7 +55,6 @@ class FakeImages:
 
     def __init__(self, torch, size, seed):
         generator = torch.Generator().manual_seed(seed)
-        self.torch = torch
         self.labels = torch.randint(0, 10, (size,), generator=generator)
         patterns = torch.rand(10, 3, 32, 32, generator=generator) * 255
         noise = torch.rand(size, 3, 32, 32, generator=generator) * 64
@@ -65,8 +64,13 @@ class FakeImages:
         return len(self.labels)
 
     def __getitem__(self, index):
+        # Import here, not keep the module on self: DataLoader workers receive the dataset
+        # pickled under the forkserver and spawn start methods (forkserver: Python 3.14's
+        # default), and a module cannot be pickled.
+        import torch
+
         image = self.images[index].float().div(255)
-        if self.torch.rand(()) < 0.5:
+        if torch.rand(()) < 0.5:
             image = image.flip(-1)  # random horizontal flip
         image = (image - 0.5) / 0.25
         return image, self.labels[index]

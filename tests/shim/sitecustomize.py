@@ -5,9 +5,13 @@ its C++ operators do not load, and `import torchvision` fails with "operator tor
 does not exist". Defining the two operator schemas first is enough for models, datasets and
 transforms (not for torchvision.ops). The tests put this folder on PYTHONPATH; the example
 scripts never need it, because on a GPU cluster torchvision loads normally.
+
+With TESTS_START_METHOD set, it also sets multiprocessing's start method (see the end).
 """
 
 import importlib.abc
+import multiprocessing
+import os
 import sys
 
 
@@ -30,3 +34,8 @@ class _DefineTorchvisionOps(importlib.abc.MetaPathFinder):
 
 _KEEP = []
 sys.meta_path.insert(0, _DefineTorchvisionOps())
+
+# tests/test_start_method.py runs the examples with another start method for DataLoader
+# workers: forkserver, the default from Python 3.14 on, pickles the dataset for each worker.
+if os.environ.get("TESTS_START_METHOD"):
+    multiprocessing.set_start_method(os.environ["TESTS_START_METHOD"])
