@@ -78,7 +78,93 @@ def test_zero3_trains_on_two_processes(tmp_path, record_property):
     out = torchrun(["--config", ZERO3, *TINY], tmp_path, record_property, "ZeRO-3")
     assert f"{HEADER} AdamW\n" in out, out
     assert "offload: parameters none, optimizer states none" in out, out
+    assert "compute in float32 (bf16 of the config is for GPUs)\n" in out, out
     assert len(losses(out)) == 3 and losses(out)[-1] < losses(out)[0], out
+
+
+@pytest.mark.parametrize("config", [ZERO3, OFFLOAD_CPU, OFFLOAD_NVME], ids=lambda p: p.stem)
+def test_the_configs_ask_for_bf16_and_deepspeed_accepts_them(tmp_path, config):
+    """DeepSpeed's own parser reads each config: bf16 on, ZeRO stage 3. (On GPUs the script
+    keeps bf16 and says so; test_zero3_on_the_gpus checks it.)"""
+    code = (
+        "import json, sys\n"
+        "from deepspeed.runtime.config import DeepSpeedConfig\n"
+        "c = DeepSpeedConfig(json.load(open(sys.argv[1])))\n"
+        "print('bf16', c.bfloat16_config.enabled, 'fp16', c.float16_config.enabled, "
+        "'stage', c.zero_optimization_stage)\n"
+    )
+    out = run([sys.executable, "-c", code, config], cwd=tmp_path, env=ds_env()).stdout
+    assert out.splitlines()[-1] == "bf16 True fp16 False stage 3", out
+
+
+def checkpoint_run(tmp_path, record_property, what, folder, epochs):
+    args = ["--config", ZERO3, *TINY, "--epochs", str(epochs), "--checkpoint-dir", folder]
+    return torchrun(args, tmp_path, record_property, what)
+
+
+FP32_LINE = re.compile(r"^wrote (\S+): 8,970 float32 parameters, sha256 ([0-9a-f]{16})$", re.M)
+
+
+def test_checkpoints_save_resume_and_convert_to_fp32(tmp_path, record_property):
+    """2 epochs with checkpoints, then a rerun asking for 3 resumes after epoch 2 and trains
+    only the third; its fp32 export equals that of 3 epochs in one go, bit for bit."""
+    compile_ops(record_property, "ShareMemCommBuilder")
+    first = checkpoint_run(tmp_path, record_property, "checkpoints, 2 epochs", "ck", 2)
+    assert "no checkpoint in ck: starting from scratch\n" in first, first
+    assert "saved ck/epoch-1\n" in first and "saved ck/epoch-2\n" in first, first
+    assert (tmp_path / "ck" / "latest").read_text() == "epoch-2"
+    resumed = checkpoint_run(tmp_path, record_property, "resume, epoch 3", "ck", 3)
+    assert "resumed from ck/epoch-2 after epoch 2\n" in resumed, resumed
+    assert [line[:8] for line in resumed.splitlines() if line.startswith("epoch ")] == [
+        "epoch 3:"
+    ], resumed
+    whole = checkpoint_run(tmp_path, record_property, "checkpoints, 3 epochs", "whole", 3)
+    assert FP32_LINE.search(resumed)[1] == "ck/model_fp32.pt", resumed
+    assert FP32_LINE.search(resumed)[2] == FP32_LINE.search(whole)[2], resumed + whole
+    # A plain state dict: loads without DeepSpeed, with weights_only=True.
+    one, two = (
+        torch.load(tmp_path / d / "model_fp32.pt", weights_only=True) for d in ("ck", "whole")
+    )
+    assert list(one) == ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias"]
+    assert all(torch.equal(one[k], two[k]) and one[k].dtype == torch.float32 for k in one)
+
+
+def fake_slurm_commands(folder, running):
+    """squeue listing the given running jobs, scontrol naming one node, and an srun that
+    prints what it would start."""
+    folder.mkdir()
+    scripts = {
+        "squeue": "".join(f"echo {job}\n" for job in running),
+        "scontrol": "echo n1\n",
+        "srun": 'echo "srun $*"\n',
+    }
+    for name, body in scripts.items():
+        (folder / name).write_text(f"#!/bin/sh\n{body}")
+        (folder / name).chmod(0o755)
+    return folder
+
+
+@pytest.mark.parametrize("others", [False, True], ids=["only-job", "other-jobs-running"])
+def test_the_job_script_removes_a_stale_extension_lock(tmp_path, job_env, others):
+    """A job killed while compiling left cpu_adam/lock: with no other running job of the
+    user's, deepspeed.sbatch removes it (else the job would wait forever); when other jobs
+    run, one may be compiling: it keeps the lock and names them."""
+    (tmp_path / "deepspeed.sbatch").write_text((DS / "deepspeed.sbatch").read_text())
+    lock = tmp_path / "ext" / "cpu_adam" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    bin_dir = fake_slurm_commands(tmp_path / "bin", ["4242", "17"] if others else ["4242"])
+    env = dict(job_env, PATH=f"{bin_dir}:{job_env['PATH']}", SLURM_TMPDIR=str(tmp_path))
+    env.update(TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"), SLURM_JOB_ID="4242")
+    env.update(SLURM_JOB_NODELIST="n1", SLURM_NTASKS="2", SLURM_CPUS_PER_TASK="2")
+    out = run(["bash", "deepspeed.sbatch", "--epochs", "1"], cwd=tmp_path, env=env).stdout
+    if others:
+        assert f"Found {lock}: if none of your jobs 17 compiles, rm it\n" in out, out
+        assert lock.exists()
+    else:
+        assert f"Removed a stale lock: {lock}\n" in out, out
+        assert not lock.exists()
+    assert "srun -c 2 --kill-on-bad-exit=1 python deepspeed_train.py --nvme-dir" in out, out
 
 
 def test_the_deepspeed_launcher_starts_it_too(tmp_path, record_property):
@@ -245,7 +331,10 @@ def test_job_script_gives_each_job_its_own_folders():
     assert "nvme_dir=$SLURM_TMPDIR" in text
     assert "nvme_dir=/tmp/${USER:-$(id -un)}-ds-$SLURM_JOB_ID" in text
     assert """trap 'rm -rf "$nvme_dir"' EXIT""" in text
-    assert 'srun python deepspeed_train.py --nvme-dir "$nvme_dir" "$@"' in text
+    assert (
+        'srun -c "$SLURM_CPUS_PER_TASK" --kill-on-bad-exit=1 python deepspeed_train.py '
+        '--nvme-dir "$nvme_dir" "$@"'
+    ) in text
 
 
 @pytest.mark.gpu
@@ -260,6 +349,7 @@ def test_zero3_on_the_gpus(tmp_path, config):
     out = run([*TORCHRUN, f"--nproc-per-node={gpus}", TRAIN, *args], cwd=tmp_path, env=ds_env(),
               timeout=1200).stdout  # fmt: skip
     assert f"{gpus} processes, cuda (nccl), ZeRO stage 3" in out, out
+    assert "compute in bfloat16\n" in out, out  # the configs' bf16, picked on GPUs
     assert losses(out)[-1] < losses(out)[0], out
 
 

@@ -9,10 +9,11 @@ Horovod fails, it is not skipped.
 import re
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, HAS_CUDA, activated, epoch_losses, example_env, run
+from conftest import EXAMPLES, HAS_CUDA, TESTS, activated, epoch_losses, example_env, run
 
 HOROVOD = EXAMPLES / "horovod"
 INSTALL = HOROVOD / "install_horovod.sh"
@@ -32,6 +33,7 @@ def losses(out):  # rank 0's lines: horovodrun puts [rank]<stdout>: before each 
 def test_install_script_builds_horovod_with_pytorch_and_gloo(horovod_venv, record_property):
     venv, out, seconds = horovod_venv
     record_property("timing", f"Horovod build (install_horovod.sh): {seconds:.0f} s")
+    assert "Building Horovod 0.28.1 for CPU tensors only (gloo)\n" in out, out
     assert "Horovod v0.28.1:" in out, out
     for line in ("[X] PyTorch", "[X] Gloo", "[ ] MPI", "[ ] TensorFlow"):
         assert line in out, out
@@ -126,4 +128,88 @@ def test_install_script_needs_an_active_venv(tmp_path):
     proc = run(["bash", INSTALL], cwd=tmp_path, env=env, expect_rc=1)
     assert proc.stderr == (
         "install_horovod.sh: error: no active venv: source <venv>/bin/activate first\n"
+    )
+
+
+CPU_SETTINGS = (
+    "HOROVOD_WITHOUT_MPI=1\nHOROVOD_WITHOUT_MXNET=1\nHOROVOD_WITHOUT_TENSORFLOW=1\n"
+    "HOROVOD_WITH_GLOO=1\nHOROVOD_WITH_PYTORCH=1\n"
+)
+
+
+def install(venv, *options, expect_rc=0):
+    """install_horovod.sh with options, in venv. PIP_NO_INDEX: a script that went on to
+    download and build would fail at once, and install nothing into the venv."""
+    env = activated(venv, PIP_NO_INDEX=1)
+    return run(["bash", INSTALL, *options], cwd=Path(venv), env=env, expect_rc=expect_rc)
+
+
+def test_install_script_prints_its_cpu_settings_without_building():
+    proc = install(Path(sys.prefix), "--print-env")
+    assert proc.stdout == "Building Horovod 0.28.1 for CPU tensors only (gloo)\n" + CPU_SETTINGS
+
+
+def test_install_script_rejects_an_unknown_option():
+    proc = install(Path(sys.prefix), "--cuda", expect_rc=1)
+    assert proc.stderr == (
+        "install_horovod.sh: error: unknown option --cuda "
+        "(usage: install_horovod.sh [--gpu] [--print-env])\n"
+    )
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the message given for a CPU build of torch")
+def test_a_gpu_build_needs_a_cuda_torch():
+    proc = install(Path(sys.prefix), "--gpu", "--print-env", expect_rc=1)
+    assert proc.stderr == (
+        f"install_horovod.sh: error: --gpu needs a CUDA build of torch, and torch in "
+        f"{sys.prefix} is a CPU build: install a CUDA torch first, or build without --gpu\n"
+    )
+
+
+def cuda_wheel_venv(tmp_path, cuda):
+    """A venv whose python imports a stand-in CUDA torch, with the nvidia-nccl files beside it
+    as pip installs them (include/nccl.h, lib/libnccl.so.2)."""
+    site = tmp_path / "site"
+    (site / "torch").mkdir(parents=True)
+    (site / "torch" / "__init__.py").write_text(
+        "from types import SimpleNamespace\n"
+        f"version = SimpleNamespace(cuda={cuda!r})\n"
+        "cuda = SimpleNamespace(get_arch_list=lambda: ['sm_80', 'sm_90', 'compute_90'])\n"
+    )
+    nccl = site / "nvidia" / "nccl"
+    for name in ("include/nccl.h", "lib/libnccl.so.2"):
+        (nccl / name).parent.mkdir(parents=True, exist_ok=True)
+        (nccl / name).touch()
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    python = venv / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    return venv, nccl
+
+
+def test_a_gpu_build_uses_the_wheels_nccl_and_cuda(tmp_path):
+    """torch.version.cuda = 12.8: the script loads cuda/12.8 (the tests' stand-in toolkit)
+    and would build with NCCL from the wheel, linked as a shared library."""
+    venv, nccl = cuda_wheel_venv(tmp_path, "12.8")
+    toolkit = TESTS / "standins" / "cuda-12.8"
+    out = install(venv, "--gpu", "--print-env").stdout
+    lines = out.splitlines()
+    assert lines[0] == (
+        f"Building Horovod 0.28.1 for GPU tensors: NCCL of {nccl}, CUDA 12.8 ({toolkit}/bin/nvcc)"
+    ), out
+    home = re.search(r"^HOROVOD_NCCL_HOME=(.*)$", out, re.M)[1]
+    assert sorted(lines[1:]) == lines[1:] and CPU_SETTINGS in out, out
+    for line in ["HOROVOD_BUILD_CUDA_CC_LIST=80,90", f"HOROVOD_CUDA_HOME={toolkit}",
+                 "HOROVOD_GPU_OPERATIONS=NCCL", "HOROVOD_NCCL_LINK=SHARED"]:  # fmt: skip
+        assert line in lines, out
+    assert home.endswith("/nccl") and not Path(home).exists()  # in the build folder, removed
+
+
+def test_a_gpu_build_without_the_cuda_module_of_the_wheel_is_one_line(tmp_path):
+    venv, _ = cuda_wheel_venv(tmp_path, "13.0")
+    proc = install(venv, "--gpu", "--print-env", expect_rc=1)
+    assert proc.stderr == (
+        "install_horovod.sh: error: torch was built with CUDA 13.0 but there is no module "
+        "cuda/13.0\n"
     )

@@ -25,6 +25,9 @@ from conftest import (
 
 SHOW = EXAMPLES / "libtorch" / "show_build_info.py"
 TORCH_LIB = Path(torch.__file__).parent / "lib"
+TOOLKIT_LIB = "/usr/local/cuda-12.8/lib64"  # a site's CUDA toolkit module would point here
+# The lib folders of the wheel's nvidia-* pip packages (none for a CPU wheel).
+NVIDIA_LIBS = sorted(str(p) for p in TORCH_LIB.parent.parent.glob("nvidia/*/lib") if p.is_dir())
 CUDA_ERROR = (
     "example: error: --device cuda but no GPU is visible: run on a GPU node "
     "(#SBATCH --gpus-per-node=1) or pass --device cpu\n"
@@ -55,9 +58,12 @@ def built(tmp_path_factory):
         [sys.executable, "-c", "import torch; print(torch.utils.cmake_prefix_path)"], cwd=folder
     ).stdout.strip()
     start = time.perf_counter()
+    # With a CUDA wheel, find_package(Torch) sets CUDAToolkit_LIBRARY_DIR to the CUDA module's
+    # toolkit; set it here too, so that a CPU machine shows it stays off the RUNPATH.
     configure = run(
-        ["cmake", "-S", ".", "-B", "build", f"-DCMAKE_PREFIX_PATH={prefix}"], cwd=folder
-    )
+        ["cmake", "-S", ".", "-B", "build", f"-DCMAKE_PREFIX_PATH={prefix}",
+         f"-DCUDAToolkit_LIBRARY_DIR={TOOLKIT_LIB}"], cwd=folder,
+    )  # fmt: skip
     build = run(["cmake", "--build", "build", "-j", "2"], cwd=folder, timeout=600)
     seconds = time.perf_counter() - start
     return folder, seconds, configure.stdout + configure.stderr + build.stdout
@@ -87,7 +93,8 @@ def test_it_trains_on_the_cpu_and_prints_its_versions(built):
         cwd=folder,
         env=env_without_library_path(OMP_NUM_THREADS=1),
     ).stdout
-    assert f"LibTorch {torch.__version__.split('+')[0]} (C++ 201703, compiler " in out
+    # torch 2.13 is built as C++20 (torch.__config__.show(): "C++ Version: 202002").
+    assert f"LibTorch {torch.__version__.split('+')[0]} (C++ 202002, compiler " in out
     assert ("CUDA available: yes" if HAS_CUDA else "CUDA available: no\n") in out
     assert "Training on cpu: 1024 samples, 577 parameters, torch::get_num_threads() = 1\n" in out
     values = losses(out)
@@ -97,10 +104,12 @@ def test_it_trains_on_the_cpu_and_prints_its_versions(built):
 
 @pytest.mark.cpp
 def test_the_runpath_points_at_the_venvs_torch(built):
-    """readelf -d shows RUNPATH = torch/lib: the program runs without LD_LIBRARY_PATH."""
+    """readelf -d shows RUNPATH = torch/lib and the wheel's nvidia-* folders: the program runs
+    without LD_LIBRARY_PATH, and loads the CUDA libraries Python loads, not the toolkit's."""
     binary = built[0] / "build" / "example"
     kind, folders = runpath(binary)
-    assert kind == "RUNPATH" and folders[0] == str(TORCH_LIB), folders
+    assert kind == "RUNPATH" and folders == [str(TORCH_LIB), *NVIDIA_LIBS], folders
+    assert not any("cuda" in f and "site-packages" not in f for f in folders), folders
     ldd = run(["ldd", binary], cwd=built[0], env=env_without_library_path()).stdout
     assert f"libtorch.so => {TORCH_LIB / 'libtorch.so'}" in ldd and "not found" not in ldd
 
@@ -204,6 +213,48 @@ def test_build_sh_configures_builds_and_runs(built, job_env):
     out = run(["bash", folder / "build.sh", *args], cwd="/", env=env,
               timeout=300).stdout  # fmt: skip
     assert "Build files have been written to" in out and len(losses(out)) == 2, out
+
+
+def fake_cuda_venv(tmp_path, cuda):
+    """A venv whose python imports a stand-in torch with torch.version.cuda = cuda."""
+    stub = tmp_path / "stub" / "torch"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text(
+        f"from . import utils, version\n__version__ = '2.13.0+cu{cuda.replace('.', '')}'\n"
+    )
+    (stub / "version.py").write_text(f"cuda = {cuda!r}\n")
+    (stub / "utils.py").write_text(f"cmake_prefix_path = {torch.utils.cmake_prefix_path!r}\n")
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "activate").write_text(f'export PATH="{venv / "bin"}:$PATH"\n')
+    python = venv / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nPYTHONPATH={stub.parent} exec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    return venv
+
+
+def test_build_sh_loads_the_cuda_module_of_the_wheel(built, job_env, tmp_path):
+    """torch.version.cuda = 12.8: build.sh loads cuda/12.8, then builds as usual."""
+    folder = built[0]
+    copy_example(folder, "libtorch/build.sh")
+    env = {**job_env, "VENV": str(fake_cuda_venv(tmp_path, "12.8"))}
+    env.pop("LD_LIBRARY_PATH", None)
+    proc = run(["bash", folder / "build.sh", "--device", "cpu", "--epochs", "1"], cwd="/",
+               env=env, timeout=300)  # fmt: skip
+    assert proc.stdout.startswith("Loaded cuda/12.8, the CUDA of torch 2.13.0+cu128\n"), proc.stdout
+    assert len(losses(proc.stdout)) == 1, proc.stdout
+
+
+def test_build_sh_without_a_matching_cuda_module_is_a_one_line_error(tmp_path, job_env):
+    """torch.version.cuda = 13.0 and the site has only cuda/12.8: one line, nothing built."""
+    copy_example(tmp_path, "libtorch/build.sh")
+    env = {**job_env, "VENV": str(fake_cuda_venv(tmp_path, "13.0"))}
+    proc = run(["bash", "build.sh"], cwd=tmp_path, env=env, expect_rc=1)
+    assert proc.stderr == (
+        "build.sh: error: torch was built with CUDA 13.0 but there is no module cuda/13.0: "
+        "ask your site, or install a torch for a CUDA it has\n"
+    )
+    assert not (tmp_path / "build").exists()
 
 
 def test_build_sh_stops_at_a_wrong_module(tmp_path, job_env):

@@ -21,7 +21,7 @@ EXAMPLE_FILES = sorted(
 SHELL_SCRIPTS = sorted(
     [p for p in EXAMPLE_FILES if p.suffix in (".sh", ".sbatch", ".qsub")]
     + list(TESTS.rglob("*.sh"))
-    + sorted((TESTS / "standins").iterdir())
+    + sorted(p for p in (TESTS / "standins").rglob("*") if p.is_file())
 )
 
 

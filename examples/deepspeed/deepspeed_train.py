@@ -8,15 +8,20 @@ ds_zero3_offload_nvme.json in files on the node-local disk given by --nvme-dir. 
 under torchrun or the deepspeed launcher (RANK, WORLD_SIZE, LOCAL_RANK) or as one Slurm task
 per GPU (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID); MASTER_ADDR and MASTER_PORT say where
 rank 0 waits. It trains an MLP on generated data; rank 0 prints the loss of every epoch.
+The configs ask for bfloat16, which the script uses on GPUs and turns off on CPUs. With
+--checkpoint-dir it saves a ZeRO checkpoint after every epoch, resumes from the newest one, and
+at the end converts the shards into one plain float32 state dict, model_fp32.pt.
 
     torchrun --standalone --nproc-per-node=2 deepspeed_train.py --config ds_zero3.json
     torchrun --standalone --nproc-per-node=2 deepspeed_train.py --config ds_zero3_offload_cpu.json
     deepspeed --num_gpus=2 deepspeed_train.py --config ds_zero3_offload_nvme.json --nvme-dir DIR
     sbatch deepspeed.sbatch --config ds_zero3_offload_nvme.json     # one Slurm task per GPU
+    sbatch deepspeed.sbatch --checkpoint-dir checkpoints             # again to resume
 """
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import sys
@@ -46,6 +51,10 @@ def parse_args(argv=None):
         "--init-timeout", type=int, default=60, help="seconds to start all processes"
     )
     parser.add_argument("--timeout", type=int, default=1800, help="seconds a collective may wait")
+    parser.add_argument(
+        "--checkpoint-dir", type=Path, help="save a checkpoint there after every epoch, resume "
+        "from the newest, and write model_fp32.pt at the end (default: no checkpoints)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     # The deepspeed launcher passes --local_rank; the script reads LOCAL_RANK, which it sets too.
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
@@ -74,6 +83,19 @@ def distributed_env():
     # DeepSpeed reads LOCAL_RANK itself, also when srun started the process.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local_rank))
     return rank, world, local_rank
+
+
+def gpu_index(local_rank, visible):
+    """The GPU of this process, given how many it sees: its local rank's when it sees the GPUs
+    of the whole node, device 0 when Slurm bound one GPU to the task (--gpus-per-task=1)."""
+    if visible == 1:
+        return 0
+    if local_rank >= visible:
+        fail(
+            f"local rank {local_rank} but {visible} GPUs visible: request one GPU per process "
+            "(--gpus-per-node equal to the processes per node, or --gpus-per-task=1)"
+        )
+    return local_rank
 
 
 def nvme_folder(args):
@@ -126,6 +148,47 @@ def make_model(torch, args):
     return nn.Sequential(*layers, nn.Linear(args.width, 10))
 
 
+# [checkpoint-start]
+def resume(engine, args, rank):
+    """Load the newest checkpoint in --checkpoint-dir, if any: the epoch to start from."""
+    if args.checkpoint_dir is None or not (args.checkpoint_dir / "latest").is_file():
+        if rank == 0 and args.checkpoint_dir is not None:
+            print(f"no checkpoint in {args.checkpoint_dir}: starting from scratch")
+        return 0
+    # All ranks load: each reads its own shards of the parameters and optimizer states.
+    path, client_state = engine.load_checkpoint(args.checkpoint_dir)
+    if path is None:
+        fail(f"cannot load the checkpoint that {args.checkpoint_dir}/latest names")
+    if rank == 0:
+        print(f"resumed from {Path(path).parent} after epoch {client_state['epoch']}")
+    return client_state["epoch"]
+
+
+def save(engine, args, rank, epoch):
+    """Every rank writes its shards into --checkpoint-dir/epoch-N; then 'latest' names it."""
+    engine.save_checkpoint(args.checkpoint_dir, tag=f"epoch-{epoch}", client_state={"epoch": epoch})
+    if rank == 0:
+        print(f"saved {args.checkpoint_dir / f'epoch-{epoch}'}")
+
+
+def export_fp32(torch, args):
+    """Gather the ZeRO-3 shards of the newest checkpoint into one float32 state dict (in CPU
+    memory, a whole model's worth) and save it as a plain file that loads without DeepSpeed."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state = get_fp32_state_dict_from_zero_checkpoint(args.checkpoint_dir)
+    path = args.checkpoint_dir / "model_fp32.pt"
+    torch.save(state, path)
+    model = make_model(torch, args)  # a plain model, no DeepSpeed
+    model.load_state_dict(torch.load(path, weights_only=True))
+    digest = hashlib.sha256()
+    for tensor in model.state_dict().values():
+        digest.update(tensor.numpy().tobytes())
+    count = sum(p.numel() for p in model.parameters())
+    print(f"wrote {path}: {count:,} float32 parameters, sha256 {digest.hexdigest()[:16]}")
+
+
+# [checkpoint-end]
 def main(argv=None):
     args = parse_args(argv)
     rank, world, local_rank = distributed_env()
@@ -136,13 +199,16 @@ def main(argv=None):
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda and torch.cuda.device_count() == 0:
         fail("--device cuda but no GPU is visible: request GPUs with #SBATCH --gpus-per-node=2")
-    if use_cuda and local_rank >= torch.cuda.device_count():
-        fail(
-            f"local rank {local_rank} but {torch.cuda.device_count()} GPUs visible: request one "
-            "GPU per process (--gpus-per-node equal to the processes per node)"
-        )
+    gpu = gpu_index(local_rank, torch.cuda.device_count()) if use_cuda else None
     if use_cuda:
-        torch.cuda.set_device(local_rank)
+        torch.cuda.set_device(gpu)
+        os.environ["LOCAL_RANK"] = str(gpu)  # the GPU the DeepSpeed engine puts itself on
+    bf16 = config.setdefault("bf16", {})
+    if bf16.get("enabled") and not use_cuda:
+        bf16["enabled"] = False  # bfloat16 ZeRO is for GPUs; on CPUs it is slow, not smaller
+    if bf16.get("enabled") and not torch.cuda.is_bf16_supported():
+        fail(f"{torch.cuda.get_device_name()} has no bfloat16 (it needs compute capability 8.0, "
+             'A100 or newer): set "bf16": {"enabled": false} in --config')  # fmt: skip
     os.environ["DS_ACCELERATOR"] = "cuda" if use_cuda else "cpu"  # read when deepspeed loads
     # DeepSpeed 0.19 still calls the collectives that torch 2.13 renamed.
     warnings.filterwarnings("ignore", r"`torch\.distributed\.\w+` is deprecated", FutureWarning)
@@ -167,7 +233,7 @@ def main(argv=None):
             rank=rank,
             world_size=world,
             timeout=datetime.timedelta(seconds=args.timeout),
-            device_id=torch.device("cuda", local_rank) if use_cuda else None,
+            device_id=torch.device("cuda", gpu) if use_cuda else None,
         )
         dist.barrier()  # returns only once all processes have joined
     except (RuntimeError, TimeoutError) as error:  # DistNetworkError and DistStoreError too
@@ -200,16 +266,20 @@ def main(argv=None):
               f"{engine.zero_optimization_stage()}, {parameters:,} parameters, optimizer "
               f"{type(engine.basic_optimizer).__name__}")  # fmt: skip
         print(f"offload: parameters {params_to}, optimizer states {states_to}")
+        print(f"compute in {'bfloat16' if engine.bfloat16_enabled() else 'float32'}"
+              f"{'' if use_cuda else ' (bf16 of the config is for GPUs)'}")  # fmt: skip
         if "nvme" in (params_to, states_to):
             print(f"NVMe swap files in {args.nvme_dir}")
 
-    for epoch in range(args.epochs):
+    first = resume(engine, args, rank)
+    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
+    for epoch in range(first, args.epochs):
         sampler.set_epoch(epoch)
         totals = torch.zeros(2, device=engine.device)  # loss sum, samples
         start = time.perf_counter()
         for inputs, labels in loader:
-            inputs, labels = inputs.to(engine.device), labels.to(engine.device)
-            loss = torch.nn.functional.cross_entropy(engine(inputs), labels)
+            inputs, labels = inputs.to(engine.device, dtype), labels.to(engine.device)
+            loss = torch.nn.functional.cross_entropy(engine(inputs).float(), labels)
             engine.backward(loss)  # each rank keeps the gradients of its own shard
             engine.step()  # each rank updates its own shard
             totals[0] += loss.detach() * len(labels)
@@ -220,6 +290,12 @@ def main(argv=None):
             loss_sum, samples = totals.tolist()
             print(f"epoch {epoch + 1}: loss {loss_sum / samples:.4f}, "
                   f"{samples / seconds:.0f} samples/s")  # fmt: skip
+        if args.checkpoint_dir:
+            save(engine, args, rank, epoch + 1)
+    if args.checkpoint_dir:
+        dist.barrier()  # every rank has written its shards
+        if rank == 0:
+            export_fp32(torch, args)
     engine.destroy()
     dist.destroy_process_group()
 

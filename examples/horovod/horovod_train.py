@@ -117,7 +117,8 @@ def main(argv=None):
             "GPU per process (#SBATCH --gpus-per-node equal to --ntasks-per-node)"
         )
     if use_cuda and not hvd.cuda_built():
-        fail("this Horovod was built without CUDA: rebuild it with CUDA, or pass --device cpu")
+        fail("this Horovod was built for CPU tensors only: rebuild it with "
+             "`bash install_horovod.sh --gpu`, or pass --device cpu")  # fmt: skip
     if use_cuda:
         torch.cuda.set_device(local_rank)  # one GPU per process, picked by its local rank
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")

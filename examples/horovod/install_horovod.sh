@@ -1,24 +1,41 @@
 #!/bin/bash
-# Build Horovod 0.28.1 from source for the PyTorch of the active venv (gloo, no MPI).
+# Build Horovod 0.28.1 from source for the PyTorch of the active venv: CPU tensors, or GPUs.
 #
 # Horovod's last release, 0.28.1, no longer builds with a plain `pip install horovod` on current
 # PyTorch: pip's build isolation hides torch from it, and its CMake files ask for C++14 where
 # torch's headers need C++17. This script downloads the source, switches it to C++17 and builds
-# it against the torch already in the venv. Run it once, on a login node (it downloads):
+# it against the torch already in the venv, with gloo as controller (horovodrun --gloo, no MPI).
+# Without options, Horovod averages CPU tensors only; with --gpu, it averages CUDA tensors with
+# NCCL, the NCCL of the torch wheel, and compiles with the CUDA toolkit of torch's CUDA version.
+# Run it once (it downloads), in the venv your job scripts activate; with --gpu, on a node where
+# the CUDA module loads:
 #     source ~/venvs/pytorch/bin/activate          # the venv from make_venv.sh
-#     bash install_horovod.sh                      # several minutes
+#     bash install_horovod.sh                      # CPU tensors; several minutes
+#     bash install_horovod.sh --gpu                # GPU tensors with NCCL
+#     bash install_horovod.sh --gpu --print-env    # show the build settings, build nothing
 # Then: horovodrun -np 2 -H localhost:2 --gloo python horovod_train.py --fake-data
 set -euo pipefail
 
+USAGE="usage: install_horovod.sh [--gpu] [--print-env]"
 die() {
     echo "install_horovod.sh: error: $*" >&2
     exit 1
 }
 
+gpu=0 print_only=0
+for arg in "$@"; do
+    case $arg in
+        --gpu) gpu=1 ;;
+        --print-env) print_only=1 ;;
+        -h | --help) echo "$USAGE" && exit 0 ;;
+        *) die "unknown option $arg ($USAGE)" ;;
+    esac
+done
 [[ -n "${VIRTUAL_ENV:-}" ]] || die "no active venv: source <venv>/bin/activate first"
 
-# --- Site-specific: a C++17 compiler and CMake >= 3.13 -------------------------
+# --- Site-specific: a C++17 compiler, CMake >= 3.13, the CUDA module's name ----
 module load gcc/12                       # g++; add your site's cmake module if it has one
+CUDA_MODULE=cuda                         # with --gpu: loaded as cuda/<torch.version.cuda>
 # -------------------------------------------------------------------------------
 HOROVOD_VERSION=0.28.1
 
@@ -30,6 +47,39 @@ python -c "import torch" 2>/dev/null || die "torch is not installed in $VIRTUAL_
 # A private build folder, removed however the script ends.
 work=$(mktemp -d "${TMPDIR:-/tmp}/horovod-build.XXXXXX")
 trap 'rm -rf "$work"' EXIT
+
+export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1
+export HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
+if ((gpu)); then
+    # nvcc of the CUDA version torch was built with, for Horovod's few CUDA kernels.
+    cuda=$(python -c 'import torch; print(torch.version.cuda or "")')
+    [[ -n $cuda ]] || die "--gpu needs a CUDA build of torch, and torch in $VIRTUAL_ENV is a" \
+        "CPU build: install a CUDA torch first, or build without --gpu"
+    module load "$CUDA_MODULE/$cuda" 2>/dev/null \
+        || die "torch was built with CUDA $cuda but there is no module $CUDA_MODULE/$cuda"
+    nvcc=$(command -v nvcc) || die "no nvcc after module load $CUDA_MODULE/$cuda"
+    # The NCCL of the wheel (the nvidia-nccl pip package), the one torch loads: two NCCLs in
+    # one process conflict. It has libnccl.so.2 but not the libnccl.so that CMake looks for.
+    nccl=$(python -c 'import pathlib, torch
+found = sorted(pathlib.Path(torch.__file__).parents[1].glob("nvidia/*/include/nccl.h"))
+print(found[0].parents[1] if found else "")')
+    [[ -n $nccl && -e $nccl/lib/libnccl.so.2 ]] \
+        || die "the torch wheel brings no NCCL (nvidia-nccl pip package): reinstall torch from PyPI"
+    mkdir -p "$work/nccl/lib"
+    ln -s "$nccl/include" "$work/nccl/include"
+    ln -s "$nccl/lib/libnccl.so.2" "$work/nccl/lib/libnccl.so"
+    export HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_HOME=$work/nccl HOROVOD_NCCL_LINK=SHARED
+    HOROVOD_CUDA_HOME=$(dirname "$(dirname "$nvcc")")
+    # GPU code for the GPUs torch itself has code for (sm_80 -> 80), not every nvcc knows.
+    HOROVOD_BUILD_CUDA_CC_LIST=$(python -c 'import torch
+print(",".join(a[3:] for a in torch.cuda.get_arch_list() if a.startswith("sm_")))')
+    export HOROVOD_CUDA_HOME HOROVOD_BUILD_CUDA_CC_LIST
+    echo "Building Horovod $HOROVOD_VERSION for GPU tensors: NCCL of $nccl, CUDA $cuda ($nvcc)"
+else
+    echo "Building Horovod $HOROVOD_VERSION for CPU tensors only (gloo)"
+fi
+env | grep '^HOROVOD_' | sort
+((print_only)) && exit 0
 
 python -m pip download --quiet --no-deps --no-binary :all: --dest "$work" \
     "horovod==$HOROVOD_VERSION"
@@ -43,14 +93,12 @@ for file in CMakeLists.txt horovod/torch/CMakeLists.txt; do
     sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$src/$file"
 done
 
-# Build against the venv's torch (no build isolation), with gloo and without MPI. Without
-# build isolation, the build tools must be in the venv.
+# Build against the venv's torch (no build isolation). Without build isolation, the build
+# tools must be in the venv.
 python -m pip install --quiet setuptools wheel
 jobs=$(nproc)
 export MAKEFLAGS=${MAKEFLAGS:-"-j$((jobs < 8 ? jobs : 8))"}
-HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
-    HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
-    python -m pip install --no-build-isolation "$src"
+python -m pip install --no-build-isolation "$src"
 
 horovodrun --check-build
 echo "Horovod $HOROVOD_VERSION installed in $VIRTUAL_ENV"

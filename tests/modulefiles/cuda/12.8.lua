@@ -1,3 +1,7 @@
--- Test stand-in for a site's CUDA toolkit module (the test machines have no GPU).
+-- Test stand-in for a site's CUDA toolkit module (the test machines have no GPU): a toolkit
+-- folder whose bin/nvcc only answers --version.
 whatis("CUDA 12.8 (test stand-in)")
-setenv("CUDA_HOME", "/usr/local/cuda-12.8")
+local tests = myFileName():match("(.*)/modulefiles/")
+local home = pathJoin(tests, "standins", "cuda-12.8")
+setenv("CUDA_HOME", home)
+prepend_path("PATH", pathJoin(home, "bin"))
