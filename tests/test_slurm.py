@@ -430,6 +430,22 @@ def test_scripts_pick_their_gpu_as_slurm_binds_it(cluster, tmp_path, request_gpu
     assert len(set(bound.values())) == (2 if per_task else 1), bound  # per task: one GPU each
 
 
+# The scripts that the job scripts' srun starts (one per task, or per torchrun worker).
+STARTED_BY_SRUN = sorted({EXAMPLES / Path(s).parent / name for s, name in SRUN_PYTHON.items()})
+PICKS_A_GPU = re.compile(r'set_device\(|torch\.device\("cuda", ')
+
+
+@pytest.mark.parametrize(
+    "path", STARTED_BY_SRUN, ids=[str(p.relative_to(EXAMPLES)) for p in STARTED_BY_SRUN]
+)
+def test_scripts_started_by_srun_pick_their_gpu_with_gpu_index(path):
+    """A task of `srun --gpus-per-task=1` sees one GPU, device 0, whatever its local rank: a
+    script started by srun that picks its CUDA device itself must do so with gpu_index()
+    (checked by test_scripts_pick_their_gpu_as_slurm_binds_it), not with the local rank."""
+    text = path.read_text()
+    assert not PICKS_A_GPU.search(text) or path in GPU_SCRIPTS, f"{path.name}: no gpu_index()"
+
+
 @pytest.mark.parametrize("script", SBATCH_SCRIPTS)
 @pytest.mark.parametrize("fault", ["wrong module", "missing file"])
 def test_a_broken_job_script_fails_under_slurm(cluster, job_env, tmp_path, script, fault, request):
