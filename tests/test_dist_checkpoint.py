@@ -211,7 +211,7 @@ def test_cuda_without_a_gpu_says_how_to_request_one(tmp_path):
                env=one_of(2), expect_rc=2)  # fmt: skip
     assert proc.stderr == (
         "ddp_checkpoint.py: error: local rank 0 but 0 GPUs visible: request one GPU per process "
-        "(#SBATCH --gpus-per-node equal to --ntasks-per-node)\n"
+        "(--gpus-per-node equal to the processes per node, or --gpus-per-task=1)\n"
     )
 
 
@@ -224,7 +224,8 @@ def test_job_script_keeps_the_checkpoints_of_a_run_beyond_the_job():
     assert "RUN=${RUN:-$SLURM_JOB_ID}" in text  # a requeued job keeps its id, and its folder
     code = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
     assert "SLURM_TMPDIR" not in code  # node-local and deleted at the end of the job
-    assert 'srun python fsdp_dcp.py --num-workers=1 --output-dir="$CHECKPOINTS" "$@"' in text
+    srun = 'srun -c "$SLURM_CPUS_PER_TASK" --kill-on-bad-exit=1 python fsdp_dcp.py'
+    assert f'{srun} --num-workers=1 --output-dir="$CHECKPOINTS" "$@"' in text
 
 
 @pytest.mark.gpu

@@ -126,7 +126,7 @@ def test_cuda_without_a_gpu_says_how_to_request_one(tmp_path):
     proc = run([sys.executable, FSDP, *args], cwd=tmp_path, env=one_of_two(), expect_rc=2)
     assert proc.stderr == (
         "fsdp_train.py: error: local rank 0 but 0 GPUs visible: request one GPU per process "
-        "(#SBATCH --gpus-per-node equal to --ntasks-per-node)\n"
+        "(--gpus-per-node equal to the processes per node, or --gpus-per-task=1)\n"
     )
 
 
@@ -142,7 +142,12 @@ def test_job_script_starts_one_task_per_gpu():
     text = (EXAMPLES / "fsdp" / "fsdp.sbatch").read_text()
     setting = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", text, re.M))
     assert setting["ntasks-per-node"] == setting["gpus-per-node"] == "2"
-    assert setting["nodes"] == "2" and 'srun python fsdp_train.py --num-workers=1 "$@"' in text
+    assert (
+        setting["nodes"] == "2"
+        and 'srun -c "$SLURM_CPUS_PER_TASK" --kill-on-bad-exit=1 python fsdp_train.py '
+        '--num-workers=1 "$@"'
+        in text
+    )
 
 
 @pytest.mark.gpu

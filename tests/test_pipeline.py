@@ -168,10 +168,13 @@ def test_without_data_it_says_how_to_fetch_it(tmp_path, script):
     assert "on a login node" in proc.stderr and proc.stderr.count("\n") == 1
 
 
+ONE_GPU_EACH = "(--gpus-per-node equal to the processes per node, or --gpus-per-task=1)"
+
+
 @pytest.mark.parametrize(
     ("script", "how"),
-    [(PIPELINE, "one GPU per stage (#SBATCH --gpus-per-node=2)"),
-     (PIPELINE_DDP, "one GPU per process (--gpus-per-node equal to the processes per node)")],
+    [(PIPELINE, "one GPU per process " + ONE_GPU_EACH),
+     (PIPELINE_DDP, "one GPU per process " + ONE_GPU_EACH)],
     ids=["pipeline", "pipeline_ddp"],
 )  # fmt: skip
 def test_without_a_gpu_it_says_how_to_request_one(tmp_path, script, how):
@@ -196,7 +199,10 @@ def test_two_node_job_script_puts_a_replica_on_each_node():
     text = (EXAMPLES / "pipeline-ddp" / "pipeline_ddp.sbatch").read_text()
     setting = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", text, re.M))
     assert setting["nodes"] == setting["ntasks-per-node"] == setting["gpus-per-node"] == "2"
-    assert 'srun python pipeline_ddp.py --num-workers=1 "$@"' in text
+    assert (
+        'srun -c "$SLURM_CPUS_PER_TASK" --kill-on-bad-exit=1 python pipeline_ddp.py '
+        '--num-workers=1 "$@"' in text
+    )
 
 
 @pytest.mark.gpu
