@@ -68,6 +68,6 @@ def test_dataloader_workers_start_with_forkserver(script, tmp_path, request):
             env = activated(
                 request.getfixturevalue("horovod_venv")[0], TESTS_START_METHOD="forkserver"
             )
-            cmd[0] = "python"
+            cmd = ["horovodrun", "-np", "1", "-H", "localhost:1", "--gloo", "python", *cmd[1:]]
         out = run(cmd, cwd=tmp_path, env=env, timeout=180).stdout
     assert "epoch 1" in out or "Epoch 1" in out or "loss" in out, out
