@@ -342,3 +342,26 @@ def slurm_task_env(rank=0, tasks=2, **extra):
         OMP_NUM_THREADS=1,
     )  # fmt: skip
     return example_env(**{**variables, **extra})
+
+
+# Runs an example (python stall.py EXAMPLE ARGS...) in which rank 0 stalls at the start of its
+# second epoch, as while it evaluates or saves a checkpoint, for STALL_SECONDS: longer than the
+# start-up timeout. The other ranks wait for it in their next collective.
+STALL = """
+import os, runpy, sys, time
+import torch.utils.data
+
+calls = 0
+original = torch.utils.data.DataLoader.__iter__
+
+def stalled(self):
+    global calls
+    calls += 1
+    if calls == 2 and os.environ["SLURM_PROCID"] == "0":
+        time.sleep(float(os.environ["STALL_SECONDS"]))
+    return original(self)
+
+torch.utils.data.DataLoader.__iter__ = stalled
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import EXAMPLES, launch, load_example
+from conftest import EXAMPLES, STALL, launch, load_example
 
 # Scripts that choose a CUDA device for each process and start a process group.
 DISTRIBUTED_GPU = sorted(
@@ -72,26 +72,6 @@ def test_process_group_is_bound_to_its_gpu_and_waits_long_in_collectives(script)
         )
 
 
-# Rank 0 stalls (as while it evaluates or saves a checkpoint) for longer than the start-up
-# timeout, at the start of its second epoch; the others wait for it in their next collective.
-STALL = """
-import os, runpy, sys, time
-import torch.utils.data
-
-calls = 0
-original = torch.utils.data.DataLoader.__iter__
-
-def stalled(self):
-    global calls
-    calls += 1
-    if calls == 2 and os.environ["SLURM_PROCID"] == "0":
-        time.sleep(float(os.environ["STALL_SECONDS"]))
-    return original(self)
-
-torch.utils.data.DataLoader.__iter__ = stalled
-sys.argv = sys.argv[1:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
 SLOW_RANK = {  # script: (processes, options)
     "ddp/ddp.py": (2, "--device cpu --fake-data --fake-size 256 --epochs 2 --num-workers 0"),
     "fsdp/fsdp_train.py": (

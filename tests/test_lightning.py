@@ -14,7 +14,16 @@ import time
 import pytest
 import torch
 
-from conftest import EXAMPLES, epoch_losses, example_env, free_port, run, slurm_task_env
+from conftest import (
+    EXAMPLES,
+    STALL,
+    epoch_losses,
+    example_env,
+    free_port,
+    launch,
+    run,
+    slurm_task_env,
+)
 
 TRAIN = EXAMPLES / "lightning" / "lightning_train.py"
 TINY = ["--device", "cpu", "--fake-data", "--fake-size", "1024", "--epochs", "3",
@@ -224,3 +233,17 @@ def test_lightning_on_the_gpus(tmp_path):
         f"world size {gpus}: 1 node(s) x {gpus} devices, cuda (nccl), LightningEnvironment" in out
     )
     assert losses(out)[-1] < losses(out)[0], out
+
+
+def test_a_task_busier_than_the_start_up_timeout_does_not_kill_the_job(tmp_path):
+    """Rank 0 stalls for longer than --init-timeout at the start of epoch 2 (as when it writes
+    a large checkpoint): DDPStrategy's timeout, which bounds every collective, is --timeout."""
+    (tmp_path / "stall.py").write_text(STALL)
+    ranks = launch(
+        [sys.executable, "stall.py", TRAIN, *TINY, "--epochs", "2", "--fake-size", "256",
+         "--init-timeout", "5"],
+        cwd=tmp_path, env=lambda **v: srun_env(v.pop("SLURM_PROCID"), **v), STALL_SECONDS=9,
+        timeout=180,
+    )  # fmt: skip
+    assert [rc for rc, _, _ in ranks] == [0, 0], ranks
+    assert "epoch 2: loss " in ranks[0][1], ranks[0]

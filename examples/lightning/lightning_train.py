@@ -45,7 +45,8 @@ def parse_args(argv=None):
     parser.add_argument("--output-dir", type=Path, default=Path("runs"), help="logs, checkpoints")
     parser.add_argument("--fake-data", action="store_true", help="train on generated images")
     parser.add_argument("--fake-size", type=int, default=8192, help="generated images")
-    parser.add_argument("--init-timeout", type=int, default=60, help="seconds to wait for ranks")
+    parser.add_argument("--init-timeout", type=int, default=60, help="seconds to start all tasks")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds a collective may wait")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -186,6 +187,20 @@ def cluster_environment(args):
     return environment, devices, num_nodes
 
 
+def meet_the_others(environment, seconds):
+    """Under srun, every task must reach rank 0 within `seconds`: rank 0 serves the store on
+    the address and port Lightning uses, and its server is shared (multi_tenant) with the one
+    Lightning then creates, whose timeout is DDPStrategy's long one for every collective."""
+    return torch.distributed.TCPStore(
+        environment.main_address,
+        environment.main_port,
+        environment.world_size(),
+        is_master=environment.global_rank() == 0,
+        timeout=datetime.timedelta(seconds=seconds),
+        multi_tenant=True,
+    )
+
+
 def make_trainer(args, environment, devices, num_nodes, use_cuda, callbacks):
     return L.Trainer(
         accelerator="gpu" if use_cuda else "cpu",
@@ -193,7 +208,7 @@ def make_trainer(args, environment, devices, num_nodes, use_cuda, callbacks):
         num_nodes=num_nodes,
         strategy=DDPStrategy(
             cluster_environment=environment,
-            timeout=datetime.timedelta(seconds=args.init_timeout),  # fail fast, never hang
+            timeout=datetime.timedelta(seconds=args.timeout),  # every collective, not the start
         ),
         max_epochs=args.epochs,
         enable_progress_bar=sys.stdout.isatty(),  # no bar in batch logs
@@ -244,6 +259,8 @@ def main(argv=None):
     trainer = make_trainer(args, environment, devices, num_nodes, use_cuda, callbacks)
     resume = checkpoint if checkpoint.exists() else None  # left by a requeued run
     try:
+        if slurm and environment.world_size() > 1:  # srun started every task: meet now
+            store = meet_the_others(environment, args.init_timeout)  # noqa: F841 (kept open)
         trainer.fit(CNN(args.lr, args.batch_size), loader, ckpt_path=resume)
     except (torch.distributed.DistStoreError, torch.distributed.DistNetworkError) as error:
         fail(
