@@ -144,22 +144,31 @@ def fake_slurm_commands(folder, running):
     return folder
 
 
-@pytest.mark.parametrize("others", [False, True], ids=["only-job", "other-jobs-running"])
-def test_the_job_script_removes_a_stale_extension_lock(tmp_path, job_env, others):
-    """A job killed while compiling left cpu_adam/lock: with no other running job of the
-    user's, deepspeed.sbatch removes it (else the job would wait forever); when other jobs
-    run, one may be compiling: it keeps the lock and names them."""
+@pytest.mark.parametrize(
+    ("others", "age"),
+    [(False, 7200), (True, 7200), (False, 60)],
+    ids=["only-job", "other-jobs-running", "compiling-now"],
+)
+def test_the_job_script_removes_a_stale_extension_lock(tmp_path, job_env, others, age):
+    """A job killed while compiling left cpu_adam/lock two hours ago: with no other running
+    job of the user's, deepspeed.sbatch removes it (else the job would wait forever); when
+    other jobs run, or the lock is a minute old (a compile on a login node, or a test, now),
+    it keeps the lock and says so."""
     (tmp_path / "deepspeed.sbatch").write_text((DS / "deepspeed.sbatch").read_text())
     lock = tmp_path / "ext" / "cpu_adam" / "lock"
     lock.parent.mkdir(parents=True)
     lock.touch()
+    os.utime(lock, (time.time() - age, time.time() - age))
     bin_dir = fake_slurm_commands(tmp_path / "bin", ["4242", "17"] if others else ["4242"])
     env = dict(job_env, PATH=f"{bin_dir}:{job_env['PATH']}", SLURM_TMPDIR=str(tmp_path))
     env.update(TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"), SLURM_JOB_ID="4242")
     env.update(SLURM_JOB_NODELIST="n1", SLURM_NTASKS="2", SLURM_CPUS_PER_TASK="2")
     out = run(["bash", "deepspeed.sbatch", "--epochs", "1"], cwd=tmp_path, env=env).stdout
     if others:
-        assert f"Found {lock}: if none of your jobs 17 compiles, rm it\n" in out, out
+        assert f"Found {lock}: if nothing of yours compiles (jobs: 17), rm it\n" in out, out
+        assert lock.exists()
+    elif age < 3600:
+        assert f"Found {lock}: if nothing of yours compiles (jobs: none), rm it\n" in out, out
         assert lock.exists()
     else:
         assert f"Removed a stale lock: {lock}\n" in out, out
