@@ -90,6 +90,7 @@ def main(argv=None):
         if rank == 0:
             print(f"epoch {epoch + 1}: loss {mean_loss.item() / world:.3f}, "
                   f"{rate.item():.0f} samples/s with {world} replicas on {device}")  # fmt: skip
+    dist.barrier()  # no rank tears its group down while another still communicates
     dist.destroy_process_group()
 
 
