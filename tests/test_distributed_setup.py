@@ -72,6 +72,34 @@ def test_process_group_is_bound_to_its_gpu_and_waits_long_in_collectives(script)
         )
 
 
+GROUP_MAKERS = ("init_process_group", "DDPStrategy", "DeepSpeedStrategy")
+TRAINING = sorted(
+    p for p in EXAMPLES.rglob("*.py")
+    if any(f"{name}(" in p.read_text() for name in GROUP_MAKERS)
+    and p.parent.name != "troubleshooting"
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("script", TRAINING, ids=rel)
+def test_the_process_group_timeout_is_the_long_one(script):
+    """Whatever makes the process group (torch, Lightning's DDP or DeepSpeed strategy), its
+    timeout bounds every collective: it must be the script's long --timeout, never a fixed
+    number of seconds or the start-up timeout (a rank that evaluates longer kills the job)."""
+    tree = ast.parse(script.read_text(encoding="utf-8"))
+    timeouts = [
+        ast.unparse(kw.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and ast.unparse(node.func).endswith(GROUP_MAKERS)
+        for kw in node.keywords
+        if kw.arg == "timeout"
+    ]
+    assert timeouts, f"{rel(script)}: give the process group a timeout (--timeout)"
+    for timeout in timeouts:
+        assert "args.timeout" in timeout and "init_timeout" not in timeout, (
+            f"{rel(script)}: the process group's timeout is {timeout}, not --timeout"
+        )
+
+
 SLOW_RANK = {  # script: (processes, options)
     "ddp/ddp.py": (2, "--device cpu --fake-data --fake-size 256 --epochs 2 --num-workers 0"),
     "fsdp/fsdp_train.py": (

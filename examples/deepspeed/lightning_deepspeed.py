@@ -30,7 +30,7 @@ def parse_args(argv=None):
     parser.add_argument("--width", type=int, default=1024, help="hidden units per layer")
     parser.add_argument("--layers", type=int, default=4, help="hidden layers")
     parser.add_argument("--offload-parameters", action="store_true", help="parameters to CPU too")
-    parser.add_argument("--init-timeout", type=int, default=60, help="seconds to wait for ranks")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds a collective may wait")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -97,7 +97,8 @@ def main(argv=None):
         stage=3,
         offload_optimizer=True,
         offload_parameters=args.offload_parameters,
-        timeout=datetime.timedelta(seconds=args.init_timeout),
+        # The process group's timeout: it bounds every collective, not only the start-up.
+        timeout=datetime.timedelta(seconds=args.timeout),
     )
     trainer = L.Trainer(
         accelerator="gpu",

@@ -28,6 +28,7 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--fake-data", action="store_true", help="train on generated data")
     parser.add_argument("--fake-size", type=int, default=8192)
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds a collective may wait")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -54,8 +55,9 @@ def main(argv=None):
         )
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")  # all ranks: one GPU
-    # gloo, not nccl: NCCL refuses several ranks on the same GPU.
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    # gloo, not nccl: NCCL refuses several ranks on the same GPU. torchrun bounds the start-up;
+    # the group's timeout bounds every later collective, so it is minutes, not seconds.
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
 
     generator = torch.Generator().manual_seed(args.seed)
