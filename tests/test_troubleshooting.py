@@ -4,14 +4,17 @@ The messages are checked as PyTorch 2.13 and Lightning 2.6 print them; what only
 show is in the tests marked gpu.
 """
 
+import re
 import signal
 import socket
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
+from recorded import ADDRESSES, check_recorded, transcript
 
 from conftest import EXAMPLES, example_env, free_port, launch, load_example, run, slurm_task_env
 
@@ -26,6 +29,32 @@ DOWNLOAD_RACE = HERE / "download_race.py"
 LIGHTNING_SLURM = HERE / "lightning_slurm.py"
 OUT_OF_MEMORY = HERE / "out_of_memory.py"
 MEMORY_GROWTH = HERE / "memory_growth.py"
+
+# The lines the page shows of each message, recorded from these tests' runs (tests/recorded.py).
+RECORDINGS = {
+    name: HERE / name
+    for name in (
+        "c10_error-escape.out", "c10_error-faulthandler.out", "c10_error-cpp-stacktraces.out",
+        "check_arch.out", "port_in_use-fixed.out", "port_in_use-fix.out",
+        "collective_timeout-gloo.out", "collective_timeout-detail.out",
+        "collective_timeout-3s.out", "lightning_slurm-devices.out",
+        "lightning_slurm-store-timeout.out", "weights_only-error.out", "weights_only-fix.out",
+        "download_race-eof.out", "memory_growth.out", "memory_growth-leak.out",
+    )
+}  # fmt: skip
+TORCH_DIR = str(Path(torch.__file__).parent)
+
+
+def lines_from(text, start, count=None):
+    """The lines of text from the first that starts with start: count of them, or all."""
+    lines = text.splitlines(keepends=True)
+    first = next(i for i, line in enumerate(lines) if line.startswith(start))
+    return "".join(lines[first : None if count is None else first + count])
+
+
+def last_line(text):
+    return text.rstrip().splitlines()[-1] + "\n"
+
 
 CONV_MESSAGE = (
     "Given groups=1, weight of size [256, 1, 3, 3], expected input[16, 10, 16, 16] to have 1 "
@@ -62,6 +91,9 @@ def test_c10_error_in_python_has_a_traceback_and_cpp_stacktraces_add_the_aten_lo
     )
     assert "/aten/src/ATen/native/Convolution.cpp:" in proc.stderr
     assert "C++ CapturedTraceback:" in proc.stderr
+    check_recorded(
+        RECORDINGS["c10_error-cpp-stacktraces.out"], lines_from(proc.stderr, "RuntimeError", 3)
+    )
 
 
 def test_escaped_c10_error_aborts_and_faulthandler_shows_the_python_line(tmp_path):
@@ -83,6 +115,17 @@ def test_escaped_c10_error_aborts_and_faulthandler_shows_the_python_line(tmp_pat
     assert "Fatal Python error: Aborted\n" in err
     assert f'File "{C10_ERROR}", line ' in err and " in throw_from_cpp\n" in err
     assert " in main\n" in err
+    # Recorded as a reader sees them, who runs the script from its folder: paths shortened.
+    check_recorded(
+        RECORDINGS["c10_error-escape.out"],
+        lines_from(plain.stderr, "terminate called", 4).replace(TORCH_DIR, ".../torch"),
+        volatile=[ADDRESSES],
+    )
+    check_recorded(
+        RECORDINGS["c10_error-faulthandler.out"],
+        lines_from(err, "Fatal Python error", 5).replace(f"{HERE}/", ".../"),
+        volatile=[ADDRESSES],
+    )
 
 
 # --- no kernel image -------------------------------------------------------------------------
@@ -108,6 +151,15 @@ def test_check_arch_compares_the_arch_list_with_the_gpu(tmp_path, capability, ar
     proc = run([sys.executable, CHECK_ARCH, *args], cwd=tmp_path, expect_rc=rc)
     assert proc.stdout.startswith(f"--arch-list: {' '.join(arch_list)}\n{verdict}"), proc.stdout
     assert proc.stdout.count("\n") == 2
+
+
+def test_check_arch_session_the_page_shows(tmp_path):
+    steps = []
+    for args, rc in ((["sm_80", "sm_86"], 1), (["sm_80", "compute_80"], 0)):
+        command = ["python", "check_arch.py", "--capability", "9.0", "--arch-list", *args]
+        proc = run([sys.executable, CHECK_ARCH, *command[2:]], cwd=tmp_path, expect_rc=rc)
+        steps.append((" ".join(command), proc.stdout))
+    check_recorded(RECORDINGS["check_arch.out"], transcript(*steps))
 
 
 def test_check_arch_refuses_a_malformed_capability(tmp_path):
@@ -174,12 +226,17 @@ def test_a_fixed_port_fails_with_eaddrinuse_and_ports_from_job_ids_do_not(
         f"network address. port: {port}, useIpv6: false, code: -98, name: EADDRINUSE, message: "
         "address already in use\n"
     ), fixed.stderr
+    # Volatile: the free port the test found, and the job ids whose ports were free.
+    check_recorded(RECORDINGS["port_in_use-fixed.out"], last_line(fixed.stderr),
+                   volatile=[(r"port: \d+", "port: N")])  # fmt: skip
     assert fix.stdout.splitlines() == [
         f"job {first}: rank 0 listens on port {15000 + first % 10000}",
         f"job {second}: rank 0 listens on port {15000 + second % 10000}",
         f"job {second}: done",
         f"job {first}: done",
     ]
+    check_recorded(RECORDINGS["port_in_use-fix.out"], fix.stdout,
+                   volatile=[(r"job \d+", "job N"), (r"port \d+", "port N")])  # fmt: skip
 
 
 # --- Duplicate GPU detected ------------------------------------------------------------------
@@ -259,6 +316,16 @@ def test_a_skipped_collective_times_out_within_seconds(tmp_path, record_property
     assert "in all_reduce" in results[0][2] and "in barrier" in results[1][2]
     # Rank 1 times out too, unless rank 0 has already exited: then its connection is closed.
     assert timed_out in last_lines[1] or "Connection closed by peer" in last_lines[1], results
+    check_recorded(RECORDINGS["collective_timeout-gloo.out"], last_lines[0])
+
+
+def test_a_group_timeout_of_3_seconds_stops_the_waiting_rank(tmp_path):
+    """The distributed checkpointing page quotes gloo's message for a 3 s group timeout."""
+    results = run_ranks(COLLECTIVE_TIMEOUT, ["--init-timeout", 3], tmp_path, timeout=60)
+    assert [rc for rc, _, _ in results] == [1, 1], results
+    line = results[0][2].rstrip().splitlines()[-1]
+    assert "Timed out waiting 3000ms for recv operation to complete" in line, results
+    check_recorded(RECORDINGS["collective_timeout-3s.out"], line)
 
 
 def test_distributed_debug_detail_reports_the_mismatch_at_once(tmp_path):
@@ -270,6 +337,10 @@ def test_distributed_debug_detail_reports_the_mismatch_at_once(tmp_path):
         "collective: CollectiveFingerPrint(SequenceNumber=1, OpType=ALLREDUCE, TensorShape=[1], "
     ) in results[0][2]
     assert "Timed out" not in results[0][2] + results[1][2]
+    check_recorded(
+        RECORDINGS["collective_timeout-detail.out"],
+        lines_from(results[0][2], "[rank0]: RuntimeError: Detected mismatch", 1),
+    )
 
 
 def test_every_rank_calling_the_collective_completes(tmp_path):
@@ -321,6 +392,12 @@ def test_a_pickled_namespace_fails_the_weights_only_load_and_the_ways_out_work(t
         "with_namespace.pt loads with safe_globals: lr 0.1",
         "plain.pt loads with the default weights_only=True: lr 0.1",
     ]
+    # Recorded without the terminal's bold (ANSI escapes) that torch puts in the first line.
+    plain = re.sub(r"\x1b\[\d*m", "", failed.stderr)
+    check_recorded(
+        RECORDINGS["weights_only-error.out"], lines_from(plain, "_pickle.UnpicklingError", 4)
+    )
+    check_recorded(RECORDINGS["weights_only-fix.out"], fix.stdout)
 
 
 # --- dataset download races ------------------------------------------------------------------
@@ -335,6 +412,7 @@ def test_ranks_downloading_at_once_read_a_truncated_archive(tmp_path, record_pro
     assert err.rstrip().endswith(
         "EOFError: Compressed file ended before the end-of-stream marker was reached"
     ), err
+    check_recorded(RECORDINGS["download_race-eof.out"], last_line(err))
     rc, out, err = results[0]  # rank 0 read its own download, then lost rank 1
     assert rc == 1 and out == "rank 0: 2000 samples\n", err
     assert "Connection closed by peer" in err
@@ -360,6 +438,7 @@ def test_lightning_devices_that_differ_from_srun_stop_fit(tmp_path):
         "ValueError: You set `devices=1` in Lightning, but the number of tasks per node "
         "configured in SLURM `--ntasks-per-node=2` does not match. HINT: Set `devices=2`.\n"
     ), proc.stderr
+    check_recorded(RECORDINGS["lightning_slurm-devices.out"], last_line(proc.stderr))
 
 
 def test_leaked_slurm_variables_make_lightning_wait_and_an_interactive_name_avoids_it(
@@ -388,6 +467,7 @@ def test_leaked_slurm_variables_make_lightning_wait_and_an_interactive_name_avoi
         "torch.distributed.DistStoreError: Timed out after 2 seconds waiting for clients. "
         "1/2 clients joined."
     ), leaked.stderr
+    check_recorded(RECORDINGS["lightning_slurm-store-timeout.out"], last_line(leaked.stderr))
     assert "Slurm: SLURM_JOB_NAME=interactive, SLURM_NTASKS=2" in interactive.stdout
     assert interactive.stdout.endswith("rank 0 of 1 (LightningEnvironment): trained\n")
 
@@ -445,6 +525,10 @@ def test_memory_stays_flat_a_leak_is_caught_and_aten_cpu_capability_changes_the_
     capability = torch.backends.cpu.get_cpu_capability()
     assert lines[0] == f"torch {torch.__version__}, CPU capability {capability}"
     assert lines[1].startswith("resident memory: ") and lines[2] == "no growth", lines
+    # Volatile: the machine's CPU capability and the memory sizes.
+    sizes = [(r"CPU capability \w+", "CPU capability X"), (r"[+-]?[\d.]+ [KM]iB", "N MiB")]
+    check_recorded(RECORDINGS["memory_growth.out"], flat.stdout, volatile=sizes)
     lines = leak.stdout.splitlines()
     assert lines[0] == f"torch {torch.__version__}, CPU capability DEFAULT", lines
     assert lines[-1].startswith("memory grows: ") and lines[-1].endswith(" KiB per step"), lines
+    check_recorded(RECORDINGS["memory_growth-leak.out"], lines[-1], volatile=sizes)

@@ -1,0 +1,359 @@
+"""The code blocks typed into the pages (not included from examples/): each is verified.
+
+Output shown on a page comes from a recorded run: a file in examples/ that the page includes
+and a test compares with what the script prints now (tests/recorded.py). What remains typed
+into the pages is listed in BLOCKS with how it is verified:
+
+- "python": pytest-examples runs it and checks its #> output (test_pages.py);
+- "console": test_console_block below runs its commands as they stand, in a scratch folder
+  with the page's example files, and checks the output lines the block shows;
+- "gpu": output that only a GPU prints, with no recorded run in this project: the paragraph
+  above it must say that it is illustrative.
+
+A new typed block makes test_every_typed_block_is_verified fail until it is listed here (and
+verified), or replaced by an include of a tested example or recording.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from markdown_it import MarkdownIt
+from mdit_py_plugins.colon_fence import colon_fence_plugin
+
+from conftest import (
+    EXAMPLES,
+    LMOD_INIT,
+    SITE_MODULES,
+    SOURCE,
+    TESTS,
+    copy_example,
+    example_env,
+)
+
+PAGES = sorted(SOURCE.rglob("*.md"))
+MARKDOWN = MarkdownIt("commonmark").use(colon_fence_plugin)
+# Directives whose content is Markdown (fences inside them are blocks of the page).
+CONTAINERS = ("{tab}", "{group-tab}", "{tabs}", "{note}", "{tip}", "{warning}", "{important}")
+
+
+def typed_blocks(page):
+    """(first line number, language, text) of every fence that is not a directive."""
+    found = []
+
+    def scan(text, offset):
+        for token in MARKDOWN.parse(text):
+            info = token.info.split()[0] if token.info.strip() else ""
+            if token.type == "fence" and not info.startswith("{"):
+                found.append((offset + token.map[0] + 1, info, token.content))
+            elif token.type == "colon_fence" or (token.type == "fence" and info in CONTAINERS):
+                scan(token.content, offset + token.map[0] + 1)
+
+    scan(page.read_text(encoding="utf-8"), 0)
+    return found
+
+
+def page_name(page):
+    return str(page.relative_to(SOURCE))
+
+
+# Every typed block: (page, its first line) -> (how it is verified, where or why).
+BLOCKS = {
+    ("cpp/libtorch.md",
+     '(pytorch) [user@login ~]$ python -c "import torch; print(torch.compiled_with_cxx11_abi())"'):
+        ("console", "local"),
+    ("distributed/horovod.md", "(pytorch) [user@login ~]$ bash install_horovod.sh --print-env"):
+        ("console", "local"),
+    ("distributed/pipeline.md", "try:"): ("python", "test_pages.py"),
+    ("getting-started/first-job.md", "[user@login ~]$ sbatch check_pytorch.sbatch"):
+        ("console", "slurm"),
+    ("getting-started/first-job.md", "[user@login ~]$ qsub check_pytorch.qsub"):
+        ("console", "gridengine"),
+    ("getting-started/first-job.md", "import torch"): ("python", "test_pages.py"),
+    ("getting-started/first-job.md",
+     "(pytorch) [user@gpu-node ~]$ torchrun --standalone --nproc-per-node=2 check_distributed.py"):
+        ("console", "local"),
+    ("getting-started/install.md", "[user@login ~]$ TORCH_BUILD=cu128 bash make_venv.sh"):
+        ("console", "local"),
+    ("getting-started/install.md", "import torch"): ("python", "test_pages.py"),
+    ("performance/precision.md", "import torch"): ("python", "test_pages.py"),
+    ("reliability/troubleshooting.md",
+     "torch.AcceleratorError: CUDA error: no kernel image is available for execution on the "
+     "device"): ("gpu", "needs a GPU that the build lacks"),
+    ("reliability/troubleshooting.md",
+     "torch.distributed.DistBackendError: NCCL error in: ..., invalid usage (run with "
+     "NCCL_DEBUG=WARN for details), NCCL version ..."): ("gpu", "NCCL needs GPUs"),
+    ("reliability/troubleshooting.md",
+     "... Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=..., "
+     "OpType=ALLREDUCE, ...) ran for ... milliseconds before timing out."):
+        ("gpu", "NCCL's watchdog needs GPUs"),
+    ("reliability/troubleshooting.md",
+     "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate ..."):
+        ("gpu", "only a GPU runs out of memory this way"),
+}  # fmt: skip
+
+# Commands of console blocks that the tests do not run, with the reason. A block whose every
+# command is here is not run at all; the page must not claim that it was.
+NOT_RUN = {
+    "TORCH_BUILD=cu128 bash make_venv.sh": "installs from download.pytorch.org, which the test "
+    "machines cannot reach: test_install_venv.py runs make_venv.sh with TORCH_BUILD=cu128 "
+    "against a copy of that index",
+}
+
+# Typed blocks not yet verified: listed, so that the suite reports them (a strict xfail, which
+# fails once the block is verified or gone, so that the entry is removed).
+PENDING = {
+    ("cpp/libtorch.md", "example: error: --device cuda but no GPU is visible: run on a GPU node "
+     "(#SBATCH --gpus-per-node=1) or pass --device cpu"): "output typed into the page",
+    ("cpp/libtorch.md", "terminate called after throwing an instance of 'c10::Error'"):
+        "output typed into the page",
+    ("cpp/libtorch.md", "example: error: Invalid learning rate: -1"): "output typed into the page",
+    ("cpp/libtorch.md", "CMake Warning at .../site-packages/torch/share/cmake/Torch/"
+     "TorchConfig.cmake:22 (message):"): "output typed into the page",
+    ("cpp/libtorch.md", "[user@login libtorch]$ bash build.sh --device cpu"): "console, not run",
+    ("cpp/libtorch.md", "(pytorch) [user@login libtorch]$ cmake -S . -B build "
+     "-DCMAKE_PREFIX_PATH=\"$(python -c 'import torch; print(torch.utils.cmake_prefix_path)')\""):
+        "console, not run",
+    ("cpp/libtorch.md", "(pytorch) [user@login libtorch]$ readelf -d build/example | grep "
+     "RUNPATH"): "console, not run",
+    ("cpp/libtorch.md", "build/example: error while loading shared libraries: libtorch_cpu.so: "
+     "cannot open shared object file: No such file or directory"): "output typed into the page",
+    ("cpp/libtorch.md", "[user@login libtorch]$ sbatch libtorch.sbatch"): "console, not run",
+    ("cpp/libtorch.md", "(pytorch) [user@login libtorch]$ python show_build_info.py"):
+        "console, not run",
+    ("distributed/deepspeed.md", "$ torchrun --standalone --nproc-per-node=2 deepspeed_train.py "
+     "--device cpu --epochs 2 --checkpoint-dir ck"): "output typed into the page",
+    ("distributed/lightning.md", "lightning_train.py: error: SLURM_NTASKS=2 but srun started 1: "
+     "Lightning would wait for 1 more process(es) that never come. Run the script with srun "
+     "(srun python lightning_train.py), or train on this node alone with "
+     "SLURM_JOB_NAME=interactive python lightning_train.py"): "output typed into the page",
+    ("distributed/lightning.md", "python lightning_train.py --fake-data --devices 2"):
+        "command, not run",
+    ("getting-started/first-job.md", "[user@login ~]$ salloc --time=00:30:00 --cpus-per-task=4 "
+     "--mem=8G --gpus-per-node=1"): "console, not run",
+    ("getting-started/first-job.md", "[user@login ~]$ qrsh -l h_rt=00:30:00 -pe smp 4 -l gpu=1"):
+        "console, not run",
+    ("getting-started/first-job.md", "Job 123456: 4 processes on gpu[01-02], rendezvous at "
+     "gpu01:18456"): "GPU output typed into the page",
+    ("getting-started/install.md", "[user@login ~]$ module avail pytorch"): "console, not run",
+    ("getting-started/install.md", "(pytorch) [user@login ~]$ python -m pip install "
+     "--index-url https://download.pytorch.org/whl/cu128 torch==2.13.0 torchvision==0.28.0"):
+        "console, not run",
+    ("getting-started/install.md", "[user@login ~]$ WHEELHOUSE=/path/to/wheelhouse bash "
+     "make_venv.sh"): "console, not run",
+    ("getting-started/install.md", "VENV=$SLURM_TMPDIR/venv WHEELHOUSE=/path/to/wheelhouse bash "
+     "make_venv.sh"): "command, not run",
+    ("getting-started/install.md", "[user@login ~]$ export "
+     "APPTAINER_CACHEDIR=/path/to/project/apptainer-cache"): "console, not run",
+    ("getting-started/install.md", "(pytorch) [user@login ~]$ python -m pip install ipykernel"):
+        "console, not run",
+    ("performance/gpu-benchmark.md", "$ python resnet_benchmark.py --models resnet50 --modes "
+     "train --precisions amp_bf16 \\"): "console, not run",
+    ("reliability/checkpointing.md", "WeightsUnpickler error: Unsupported global: GLOBAL "
+     "pathlib.PosixPath was not an allowed global by default. Please use "
+     "`torch.serialization.add_safe_globals([pathlib.PosixPath])` or the "
+     "`torch.serialization.safe_globals([pathlib.PosixPath])` context manager to allowlist this "
+     "global if you trust this class/function."): "output typed into the page",
+    ("reliability/distributed-checkpointing.md", "fsdp_dcp.py: error: cannot resume from "
+     "checkpoints/epoch-2: Size mismatch between saved torch.Size([64, 3072]) and current: "
+     "torch.Size([32, 3072]) for model.1.weight (--width and --blocks must be those of the run "
+     "that saved it)"): "output typed into the page",
+    ("reliability/distributed-checkpointing.md", "Resumed from checkpoints/epoch-1, saved by 2 "
+     "processes after epoch 1, loaded by 4: weights digest ..."): "output typed into the page",
+    ("reliability/preemption.md", "sbatch preemptible.sbatch --fake-data --checkpoint-dir <the "
+     "old job's checkpoint folder>"): "command, not run",
+    ("reliability/preemption.md", "python preemptible.py --fake-data --epochs 3 &"):
+        "commands, not run",
+    ("reliability/preemption.md", "sbatch preemptible.sbatch --fake-data"): "commands, not run",
+}  # fmt: skip
+
+ALL_BLOCKS = [
+    (page, line, language, text) for page in PAGES for line, language, text in typed_blocks(page)
+]
+BLOCK_IDS = [f"{page_name(page)}:{line}" for page, line, _, _ in ALL_BLOCKS]
+
+
+def key(page, text):
+    return (page_name(page), text.splitlines()[0])
+
+
+def test_the_pages_have_typed_blocks():
+    """The parser finds blocks, inside tabs too: the checks below cannot pass vacuously."""
+    assert len(ALL_BLOCKS) > 10
+    assert any("sbatch check_pytorch.sbatch" in text for *_, text in ALL_BLOCKS)
+
+
+@pytest.mark.parametrize(("page", "line", "language", "text"), ALL_BLOCKS, ids=BLOCK_IDS)
+def test_every_typed_block_is_verified(page, line, language, text):
+    where = f"{page_name(page)}:{line}"
+    if key(page, text) in PENDING:
+        pytest.xfail(f"{where}: {PENDING[key(page, text)]}")
+    assert key(page, text) in BLOCKS, (
+        f"{where}: a ```{language} block typed into the page. Include a file of examples/ that "
+        "a test runs (or a recorded output that a test compares, tests/recorded.py), or make "
+        "a test run it and list it in BLOCKS in tests/test_page_blocks.py"
+    )
+    kind, detail = BLOCKS[key(page, text)]
+    if kind == "python":
+        assert language == "python" and text in [example.source for example in PYTHON_BLOCKS]
+    elif kind == "console":
+        assert language == "console" and detail in CONTEXTS
+    elif kind == "gpu":
+        above = page.read_text(encoding="utf-8").splitlines()[: line - 1]
+        paragraph = "\n".join(above).rstrip().rsplit("\n\n", 1)[-1]
+        assert "illustrative" in paragraph, f"{where}: say above it that it is illustrative"
+    else:
+        pytest.fail(f"{where}: unknown kind {kind!r}")
+
+
+def test_every_listed_block_is_on_its_page():
+    found = {key(page, text) for page, _, _, text in ALL_BLOCKS}
+    stale = sorted((set(BLOCKS) | set(PENDING)) - found)
+    assert not stale, f"listed in tests/test_page_blocks.py but no longer on the page: {stale}"
+    assert not set(BLOCKS) & set(PENDING)
+
+
+pytest_examples = pytest.importorskip(
+    "pytest_examples", reason="pytest-examples is in requirements.txt"
+)
+PYTHON_BLOCKS = list(pytest_examples.find_examples(*PAGES))
+
+
+def test_python_blocks_are_run_not_only_linted():
+    """test_pages.py runs every ```python block with run_print_check."""
+    text = (TESTS / "test_pages.py").read_text(encoding="utf-8")
+    body = text.split("def test_python_block_in_page", 1)[1]
+    assert "eval_example.run_print_check(example)" in body
+
+
+# --- console blocks --------------------------------------------------------------------------
+
+# A prompt as the pages write it (the copy button drops the same, conf.py).
+PROMPT = re.compile(r"^(?:\(\S+\) )?(?:\$ |\[[^\]]+\][$#] )")
+# The job id the pages use; the test puts the real one in its place, in commands and output.
+JOB_ID = "123456"
+
+
+# A prompt that shows an active venv: "(pytorch) [user@login ~]$ ".
+VENV_PROMPT = re.compile(r"^\((\S+)\) ")
+
+
+def commands(text):
+    """[(command, the venv its prompt shows active or None, [output lines it shows])] of a
+    console block; `\\` continues a command."""
+    steps = []
+    lines = iter(text.splitlines())
+    for line in lines:
+        if PROMPT.match(line):
+            command = PROMPT.sub("", line)
+            while command.endswith("\\"):
+                command = command[:-1] + next(lines).strip()
+            venv = VENV_PROMPT.match(line)
+            steps.append((command, venv and venv[1], []))
+        else:
+            steps[-1][2].append(line)
+    return steps
+
+
+CONSOLE = [
+    (page, line, text)
+    for page, line, language, text in ALL_BLOCKS
+    if BLOCKS.get(key(page, text), ("",))[0] == "console"
+]
+CONTEXTS = ("local", "slurm", "gridengine")
+
+
+def page_files(page):
+    """The example files a page includes or offers, as a reader saves them in one folder."""
+    text = page.read_text(encoding="utf-8")
+    names = re.findall(r"\{literalinclude\} \.\./\.\./examples/(\S+)", text)
+    names += re.findall(r"\{download\}`[^`]*?<?\.\./\.\./examples/([^`>]+)>?`", text)
+    return sorted({name for name in names if (EXAMPLES / name).is_file()})
+
+
+def shell_env(tmp_path):
+    """A reader's login shell: Lmod with the tests' modules, the venv in ~/venvs/pytorch (the
+    tests' own), the tests' stand-ins for GPU tools last on PATH."""
+    if not LMOD_INIT.exists() or not SITE_MODULES.exists():
+        pytest.skip(f"Lmod or {SITE_MODULES} is missing: run `make system-packages` as root")
+    home = tmp_path / "home"
+    (home / "venvs").mkdir(parents=True)
+    (home / "venvs" / "pytorch").symlink_to(sys.prefix)
+    env = example_env(
+        BASH_ENV=LMOD_INIT, MODULEPATH=TESTS / "modulefiles", LMOD_IGNORE_CACHE=1, HOME=home,
+        VENV=home / "venvs" / "pytorch",
+    )  # fmt: skip
+    env["PATH"] += f"{os.pathsep}{TESTS / 'standins'}"
+    return env
+
+
+def run_block(page, text, folder, env, wait=None):
+    """Run the block's commands in one bash, in order, as a reader types them; each must exit
+    0 and print the output lines the block shows (with the real job id for JOB_ID). wait
+    (a command template) runs after a submission, as a reader waits for the job to end."""
+    copy_example(folder, *page_files(page))
+    script, steps = ["set -o pipefail"], commands(text)
+    for number, (command, venv, _) in enumerate(steps):
+        if command in NOT_RUN:
+            continue
+        if venv:  # the prompt says that ~/venvs/<venv> is active
+            script.append(f"[[ -n ${{VIRTUAL_ENV:-}} ]] || source ~/venvs/{venv}/bin/activate")
+        command = command.replace(JOB_ID, "$JOB_ID")
+        script.append(f"{{ {command}\n}} >.out-{number} 2>&1 </dev/null; echo $? >.rc-{number}")
+        if wait and command.startswith(("sbatch ", "qsub ")):
+            script.append(f"JOB_ID=$(grep -o '[0-9][0-9]*' .out-{number} | head -1); {wait}")
+    proc = subprocess.run(
+        ["bash", "-c", "\n".join(script)], cwd=folder, env=env, capture_output=True, text=True,
+        timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for number, (command, _, shown) in enumerate(steps):
+        if command in NOT_RUN:
+            continue
+        out = (folder / f".out-{number}").read_text()
+        rc = (folder / f".rc-{number}").read_text().strip()
+        assert rc == "0", f"{command} exited {rc}:\n{out}"
+        if shown:
+            printed = re.sub(r"\b\d{2,}\b", JOB_ID, out) if wait else out
+            assert printed.splitlines() == shown, f"{command} printed:\n{out}"
+
+
+def blocks_in(context):
+    chosen = [(p, t) for p, _, t in CONSOLE if BLOCKS[key(p, t)][1] == context]
+    return pytest.mark.parametrize(
+        ("page", "text"),
+        chosen,
+        ids=[f"{page_name(p)}:{t.splitlines()[0][-40:]}" for p, t in chosen],
+    )
+
+
+@blocks_in("local")
+def test_console_block(page, text, tmp_path):
+    run_block(page, text, tmp_path, shell_env(tmp_path))
+
+
+@pytest.mark.slurm
+@blocks_in("slurm")
+def test_console_block_under_slurm(page, text, tmp_path, slurm_cluster):
+    env = {**shell_env(tmp_path), "SLURM_CONF": str(slurm_cluster[0])}
+    wait = "while squeue --noheader --jobs $JOB_ID 2>/dev/null | grep -q .; do sleep 0.5; done"
+    run_block(page, text, tmp_path, env, wait=wait)
+
+
+@pytest.mark.gridengine
+@blocks_in("gridengine")
+def test_console_block_under_grid_engine(page, text, tmp_path, gridengine_cell):
+    env = {**shell_env(tmp_path), **gridengine_cell[0]}
+    # The site's default request file passes what a reader's login environment has to jobs.
+    (tmp_path / ".sge_request").write_text(
+        f"-v MODULEPATH={env['MODULEPATH']},VENV={env['VENV']}\n"
+    )
+    wait = "until qacct -j $JOB_ID >/dev/null 2>&1; do sleep 0.5; done"
+    run_block(page, text, tmp_path, env, wait=wait)
+
+
+def test_not_run_commands_are_on_the_pages():
+    shown = {command for _, _, text in CONSOLE for command, _, _ in commands(text)}
+    assert set(NOT_RUN) <= shown, sorted(set(NOT_RUN) - shown)
