@@ -265,11 +265,16 @@ CONSOLE = [
 CONTEXTS = ("local", "slurm", "gridengine")
 
 
+# Files a page's commands use that another page offers (a reader has saved them already).
+OTHER_PAGES_FILES = {"getting-started/first-job.md": ["install/check_pytorch.py"]}
+
+
 def page_files(page):
     """The example files a page includes or offers, as a reader saves them in one folder."""
     text = page.read_text(encoding="utf-8")
     names = re.findall(r"\{literalinclude\} \.\./\.\./examples/(\S+)", text)
     names += re.findall(r"\{download\}`[^`]*?<?\.\./\.\./examples/([^`>]+)>?`", text)
+    names += OTHER_PAGES_FILES.get(page_name(page), [])
     return sorted({name for name in names if (EXAMPLES / name).is_file()})
 
 
@@ -303,12 +308,16 @@ def run_block(page, text, folder, env, wait=None):
         command = command.replace(JOB_ID, "$JOB_ID")
         script.append(f"{{ {command}\n}} >.out-{number} 2>&1 </dev/null; echo $? >.rc-{number}")
         if wait and command.startswith(("sbatch ", "qsub ")):
-            script.append(f"JOB_ID=$(grep -o '[0-9][0-9]*' .out-{number} | head -1); {wait}")
+            script.append(f"JOB_ID=$(grep -o '[0-9][0-9]*' .out-{number} | head -1)")
+            script.append(f'echo "$JOB_ID" >.job-id; {wait}')
     proc = subprocess.run(
         ["bash", "-c", "\n".join(script)], cwd=folder, env=env, capture_output=True, text=True,
         timeout=300, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    if wait:  # every job the block submitted ended well
+        states = (folder / ".job-states").read_text().split()
+        assert states and set(states) == {"JobState=COMPLETED"}, states
     for number, (command, _, shown) in enumerate(steps):
         if command in NOT_RUN:
             continue
@@ -316,7 +325,10 @@ def run_block(page, text, folder, env, wait=None):
         rc = (folder / f".rc-{number}").read_text().strip()
         assert rc == "0", f"{command} exited {rc}:\n{out}"
         if shown:
-            printed = re.sub(r"\b\d{2,}\b", JOB_ID, out) if wait else out
+            if (folder / ".job-id").exists():  # the real job id where the page shows JOB_ID
+                job_id = (folder / ".job-id").read_text().strip()
+                out = re.sub(rf"\b{job_id}\b", JOB_ID, out)
+            printed = out
             assert printed.splitlines() == shown, f"{command} printed:\n{out}"
 
 
@@ -338,7 +350,10 @@ def test_console_block(page, text, tmp_path):
 @blocks_in("slurm")
 def test_console_block_under_slurm(page, text, tmp_path, slurm_cluster):
     env = {**shell_env(tmp_path), "SLURM_CONF": str(slurm_cluster[0])}
-    wait = "while squeue --noheader --jobs $JOB_ID 2>/dev/null | grep -q .; do sleep 0.5; done"
+    wait = (
+        "while squeue --noheader --jobs $JOB_ID 2>/dev/null | grep -q .; do sleep 0.5; done; "
+        "scontrol show job $JOB_ID | grep -o 'JobState=[A-Z_]*' >>.job-states"
+    )
     run_block(page, text, tmp_path, env, wait=wait)
 
 
@@ -350,7 +365,11 @@ def test_console_block_under_grid_engine(page, text, tmp_path, gridengine_cell):
     (tmp_path / ".sge_request").write_text(
         f"-v MODULEPATH={env['MODULEPATH']},VENV={env['VENV']}\n"
     )
-    wait = "until qacct -j $JOB_ID >/dev/null 2>&1; do sleep 0.5; done"
+    wait = (
+        "until qacct -j $JOB_ID >/dev/null 2>&1; do sleep 0.5; done; "
+        'qacct -j $JOB_ID | awk \'$1 == "exit_status" '
+        '{print "JobState=" ($2 ? "FAILED" : "COMPLETED")}\' >>.job-states'
+    )
     run_block(page, text, tmp_path, env, wait=wait)
 
 
