@@ -10,9 +10,11 @@ import pytest
 from conftest import EXAMPLES, ROOT, SOURCE, TESTS, require_command
 
 PAGES = sorted(SOURCE.rglob("*.md"))
-# ```{literalinclude} path  followed by  :option: value  lines
+# ```{literalinclude} path  followed by  :option: value  lines (indented inside a list item)
 INCLUDE = re.compile(
-    r"^(`{3,}|:{3,})\{literalinclude\} (?P<path>\S+)\n(?P<options>(?::[\w-]+:.*\n)*)", re.M
+    r"^[ \t]*(`{3,}|:{3,})\{literalinclude\} (?P<path>\S+)\n"
+    r"(?P<options>(?:[ \t]*:[\w-]+:.*\n)*)",
+    re.M,
 )
 DOWNLOAD = re.compile(r"\{download\}`(?:[^`<]*<)?(?P<path>[^`>]+)>?`")
 EXAMPLE_FILES = sorted(
@@ -32,7 +34,7 @@ def includes():
         text = page.read_text(encoding="utf-8")
         for match in INCLUDE.finditer(text):
             options = dict(
-                re.match(r":([\w-]+):\s*(.*)", line).groups()
+                re.match(r"\s*:([\w-]+):\s*(.*)", line).groups()
                 for line in match["options"].splitlines()
             )
             found.append((page, (page.parent / match["path"]).resolve(), options))
