@@ -102,8 +102,9 @@ NOT_RUN = {
     "against a copy of that index",
 }
 
-# Typed blocks not yet verified: listed, so that the suite reports them (a strict xfail, which
-# fails once the block is verified or gone, so that the entry is removed).
+# Typed blocks not yet verified: listed, so that every run reports each of them as an xfail
+# with its reason. An entry whose block is gone, or is also in BLOCKS, fails
+# test_every_listed_block_is_on_its_page, so the list cannot outlive the blocks.
 PENDING = {
     ("cpp/libtorch.md", "example: error: --device cuda but no GPU is visible: run on a GPU node "
      "(#SBATCH --gpus-per-node=1) or pass --device cpu"): "output typed into the page",
