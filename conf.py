@@ -11,7 +11,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT / "source" / "_ext"))  # benchmark_results: tables from CSVs
+sys.path.insert(0, str(ROOT / "source" / "_ext"))  # benchmark_results, verification
 VERSIONS = tomllib.loads((ROOT / "versions.toml").read_text(encoding="utf-8"))
 
 project = "PyTorch on HPC"
@@ -23,7 +23,15 @@ LANGUAGES = {"en": "English", "zh_CN": "简体中文", "ja": "日本語", "fr": 
 HREFLANG = {"en": "en", "zh_CN": "zh-CN", "ja": "ja", "fr": "fr"}
 language = "en"
 
-extensions = ["myst_parser", "sphinx_tabs.tabs", "sphinx_copybutton", "benchmark_results"]
+extensions = [
+    "myst_parser",
+    "sphinx_tabs.tabs",
+    "sphinx_copybutton",
+    "benchmark_results",  # the benchmark page's table and charts, from the committed CSVs
+    "verification",  # stamps from tests/records/, a download link under every included script
+]
+# The repository whose examples/ folder the pages link to (verification.py).
+repository_url = os.environ.get("REPOSITORY_URL", "https://github.com/pytorch-on-hpc/pytorch-on-hpc")
 source_suffix = {".md": "markdown"}
 exclude_patterns = ["_build", "_root", "_templates", "_static", "_ext"]
 templates_path = ["source/_templates"]

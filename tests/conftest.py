@@ -18,6 +18,14 @@ from pathlib import Path
 import filelock
 import pytest
 
+# Each test run records which examples each test ran (tests/records.py, tests/records/).
+from records import (  # noqa: F401 (hooks: pytest finds them by name in this module)
+    pytest_configure,
+    pytest_runtest_makereport,
+    pytest_runtest_setup,
+    pytest_runtest_teardown,
+)
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 SOURCE = ROOT / "source"

@@ -95,7 +95,53 @@ def test_page_has_switcher_alternates_and_versions(site, lang, page):
         assert target.is_file(), link["href"]
     assert [a.get("aria-current") for a in html.switcher].count("page") == 1
     assert set(html.alternates) == {"en", "zh-CN", "ja", "fr"}
-    assert VERSIONS["cpu"]["torch"] in html.text and VERSIONS["cpu"]["python"] in html.text
+
+
+def stamp_of(text):
+    """The text of the verification stamp under a page's title (source/_ext/verification.py)."""
+    found = re.findall(r'<p class="verification-stamp[^"]*">(.*?)</p>', text, re.S)
+    assert len(found) == 1, "one stamp per page"
+    assert text.index("</h1>") < text.index('class="verification-stamp'), "under the title"
+    return re.sub(r"<[^>]+>", "", found[0])
+
+
+@pytest.mark.parametrize("lang", LANGUAGES)
+@pytest.mark.parametrize("page", PAGES)
+def test_page_shows_a_stamp_from_the_records(site, lang, page):
+    """The stamp's versions come from the records the build read, never from a typed line;
+    a translated page shows it in its language."""
+    out, _ = site
+    stamp = stamp_of((out / lang / f"{page}.html").read_text(encoding="utf-8"))
+    records = json.loads((TESTS / "records" / "cpu.json").read_text(encoding="utf-8"))
+    torch_versions = {e["torch"].split("+")[0] for e in records["examples"].values()}
+    assert any(f"torch {v}" in stamp for v in torch_versions) or "not tested" in stamp, stamp
+    assert "GPU" in stamp
+    if lang != "en":
+        english = stamp_of((out / "en" / f"{page}.html").read_text(encoding="utf-8"))
+        assert stamp.split()[0] != english.split()[0], f"stamp in English: {stamp}"
+    assert "Verified with" not in (out / lang / f"{page}.html").read_text(encoding="utf-8")
+
+
+@pytest.mark.parametrize("lang", LANGUAGES)
+@pytest.mark.parametrize("page", PAGES)
+def test_every_included_example_can_be_downloaded(site, lang, page):
+    """Under every block included from examples/: its file, a download link to the whole file
+    (which the build copied) and a link to its folder in the repository."""
+    out, _ = site
+    text = (out / lang / f"{page}.html").read_text(encoding="utf-8")
+    includes = re.findall(
+        r"^`{3,}\{literalinclude\} \.\./\.\./examples/(\S+)",
+        (SOURCE / f"{page}.md").read_text(encoding="utf-8"), re.M,
+    )  # fmt: skip
+    lines = re.findall(r'<p class="example-source">(.*?)</p>', text, re.S)
+    assert len(lines) == len(includes)
+    for name, line in zip(includes, lines, strict=True):
+        assert f'<span class="pre">{name}</span>' in line, (name, line)
+        download = re.search(r'class="reference download internal"[^>]*href="([^"]+)"', line)
+        assert download and download[1].endswith("/" + name.split("/")[-1]), line
+        target = (out / lang / page).parent / download[1]
+        assert target.read_bytes() == (ROOT / "examples" / name).read_bytes()
+        assert f"/tree/main/examples/{name.split('/')[0]}" in line
 
 
 @pytest.mark.parametrize("lang", TRANSLATIONS)

@@ -1,12 +1,14 @@
 """The gettext catalogs: complete, current with the English pages, valid, wrapped the same way."""
 
+import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import LOCALE, ROOT, SOURCE, TRANSLATIONS, require_command
+from conftest import LOCALE, ROOT, SOURCE, TESTS, TRANSLATIONS, require_command
 
 # polib comes with the venv; a GPU machine running only `make test-gpu` may lack it.
 polib = pytest.importorskip("polib", reason="polib is in requirements.txt: run make venv")
@@ -38,6 +40,7 @@ def test_every_page_has_a_current_catalog(templates, lang):
     catalogs = {
         str(p.relative_to(LOCALE / lang / "LC_MESSAGES").with_suffix("")): p
         for p in (LOCALE / lang / "LC_MESSAGES").rglob("*.po")
+        if p.name != "sphinx.po"  # the interface strings, checked below
     }
     assert sorted(catalogs) == sorted(templates), "run `make update-po`"
     for name, template in templates.items():
@@ -83,3 +86,18 @@ def test_each_language_keeps_a_glossary(lang):
     glossary = LOCALE / lang / "GLOSSARY.md"
     assert glossary.is_file(), "keep the terminology of each language in locale/<lang>/GLOSSARY.md"
     assert glossary.read_text(encoding="utf-8").count("|") > 40
+
+
+@pytest.mark.parametrize("lang", TRANSLATIONS)
+def test_interface_catalog_has_every_string_of_the_extensions(lang):
+    """The site's extensions translate their strings with _() through sphinx.po; each string
+    of theirs must be in it (no more, no less), with its placeholders intact."""
+    tool = TESTS / "tools" / "interface_strings.py"
+    spec = importlib.util.spec_from_file_location("interface_strings", tool)
+    strings = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(strings)
+    catalog = polib.pofile(str(LOCALE / lang / "LC_MESSAGES" / "sphinx.po"))
+    assert sorted(e.msgid for e in catalog) == strings.msgids(), "update sphinx.po"
+    for entry in catalog:
+        wanted, got = (sorted(re.findall(r"\{\w+\}", t)) for t in (entry.msgid, entry.msgstr))
+        assert wanted == got, entry.msgid

@@ -1,0 +1,295 @@
+"""What verified each page, from the tests' records, and a download link for every script shown.
+
+The test runs write tests/records/<suite>.json (tests/records.py): for each file in examples/,
+the tests that ran it in each suite (cpu, slurm, gridengine, gpu), their outcomes and
+durations, the date, the versions, and the sha256 of the file they ran. This extension reads
+them at build time, so that nothing a page says about verification is typed by hand:
+
+- under the title of every page, a stamp for the example files the page includes: CPU tests,
+  the Slurm test cluster, the Grid Engine test cell, GPU ("not yet run" when no GPU record
+  exists), and which files changed since their last recorded run (stale);
+- under every block included from examples/, the file it comes from, a download link for the
+  whole file and a link to its folder in the repository;
+- the directive ``verification-table``, the table of every example of the "How this guide is
+  tested" page.
+
+Its strings are translated through the project's catalog of interface strings,
+locale/<lang>/LC_MESSAGES/sphinx.po, which Sphinx compiles and reads itself.
+"""
+
+import json
+import os
+import re
+from hashlib import sha256
+from pathlib import Path
+
+from docutils import nodes
+from sphinx import addnodes
+from sphinx.locale import _
+from sphinx.transforms import SphinxTransform
+from sphinx.util.docutils import SphinxDirective
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+RECORDS = ROOT / "tests" / "records"
+SUITES = ("cpu", "slurm", "gridengine", "gpu")
+TESTING_PAGE = "/about/testing"
+# Files that are scripts (the tests run them); data and configuration files are shown too,
+# but their stamp is that of the scripts that read them.
+SCRIPT = re.compile(r".*\.(py|sh|sbatch|qsub|cpp)$|CMakeLists\.txt$")
+
+
+def load_records(folder=RECORDS):
+    """{suite: {example: entry}} with entry["stale"] set when the file changed since."""
+    records = {}
+    for suite in SUITES:
+        path = Path(folder) / f"{suite}.json"
+        examples = json.loads(path.read_text(encoding="utf-8"))["examples"] if path.exists() else {}
+        for name, entry in examples.items():
+            file = EXAMPLES / name
+            current = sha256(file.read_bytes()).hexdigest() if file.is_file() else None
+            entry["stale"] = current != entry["sha256"]
+        records[suite] = examples
+    return records
+
+
+def fill(template, **parts):
+    """A list of nodes: the translated template with each {name} replaced by its node."""
+    result = []
+    for piece in re.split(r"(\{\w+\})", template):
+        name = piece[1:-1] if piece.startswith("{") and piece.endswith("}") else None
+        if name in parts:
+            part = parts[name]
+            result.append(part if isinstance(part, nodes.Node) else nodes.Text(str(part)))
+        elif piece:
+            result.append(nodes.Text(piece))
+    return result
+
+
+def summary(records, examples):
+    """Per suite: (passed, failed, newest entry) over the tests that ran these examples."""
+    result = {}
+    for suite in SUITES:
+        outcomes, newest = {}, None
+        for name in examples:
+            entry = records[suite].get(name)
+            if entry is None or entry["stale"]:
+                continue
+            for test, (outcome, _seconds) in entry["tests"].items():
+                outcomes[test] = outcome if outcomes.get(test) != "failed" else "failed"
+            if newest is None or entry["date"] > newest["date"]:
+                newest = entry
+        failed = sum(outcome == "failed" for outcome in outcomes.values())
+        result[suite] = (len(outcomes) - failed, failed, newest)
+    return result
+
+
+def stamp_text(records, examples):
+    """The translated parts of a stamp, as lists of nodes."""
+    counts = summary(records, examples)
+    parts = []
+    labels = {
+        "cpu": _("CPU"),
+        "slurm": _("Slurm test cluster"),
+        "gridengine": _("Grid Engine test cell"),
+        "gpu": _("GPU"),
+    }
+    for suite in SUITES:
+        passed, failed, newest = counts[suite]
+        if newest is None:
+            if suite == "gpu":
+                parts.append(fill(_("{suite}: not yet run"), suite=labels[suite]))
+            continue
+        if failed:
+            text = fill(
+                _("{suite}: {failed} of {total} tests failed ({date})"),
+                suite=labels[suite], failed=failed, total=passed + failed, date=newest["date"],
+            )  # fmt: skip
+        elif suite == "gpu":
+            text = fill(
+                _("{suite}: {passed} tests passed ({date}, {device}, torch {torch}, CUDA {cuda})"),
+                suite=labels[suite], passed=passed, date=newest["date"], device=newest["gpu"],
+                torch=newest["torch"], cuda=newest["cuda"],
+            )  # fmt: skip
+        else:
+            text = fill(
+                _("{suite}: {passed} tests passed ({date}, torch {torch}, Python {python})"),
+                suite=labels[suite], passed=passed, date=newest["date"],
+                torch=newest["torch"].split("+")[0], python=newest["python"],
+            )  # fmt: skip
+        parts.append(text)
+    return parts
+
+
+def untested(records, examples):
+    """Scripts among examples with no current record in any suite."""
+    return sorted(
+        name for name in examples
+        if SCRIPT.match(Path(name).name)
+        and not any(name in records[s] and not records[s][name]["stale"] for s in SUITES)
+    )  # fmt: skip
+
+
+def stamp(env, examples):
+    """The paragraph under a page's title."""
+    records = load_records()
+    if not examples:
+        examples = sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*") if p.is_file())
+        lead = _("Scripts of this guide:")
+    else:
+        lead = _("Scripts on this page:")
+    paragraph = nodes.paragraph(classes=["verification-stamp"])
+    paragraph += nodes.strong(text=lead)
+    paragraph += nodes.Text(" ")
+    for i, part in enumerate(stamp_text(records, examples)):
+        if i:
+            paragraph += nodes.Text(" · ")
+        paragraph.extend(part)
+    stale = untested(records, examples)
+    if len(stale) > 5:
+        paragraph["classes"].append("verification-stale")
+        paragraph += nodes.Text(" · ")
+        paragraph.extend(
+            fill(_("{count} scripts not tested in their current version"), count=len(stale))
+        )
+    elif stale:
+        paragraph["classes"].append("verification-stale")
+        paragraph += nodes.Text(" · ")
+        files = nodes.inline()
+        for i, name in enumerate(stale):
+            files += nodes.Text(", " if i else "")
+            files += nodes.literal(text=Path(name).name)
+        paragraph.extend(fill(_("not tested in their current version: {files}"), files=files))
+    paragraph += nodes.Text(" (")
+    link = addnodes.pending_xref(
+        "", nodes.inline(), refdomain="std", reftype="doc", reftarget=TESTING_PAGE,
+        refexplicit=False, refwarn=True, refdoc=env.docname,
+    )  # fmt: skip
+    paragraph += link
+    paragraph += nodes.Text(")")
+    for suite in SUITES:
+        env.note_dependency(str(RECORDS / f"{suite}.json"))
+    return paragraph
+
+
+def included_example(node):
+    """The examples/ file a literal block was included from, or None."""
+    source = node.get("source")
+    if not source:
+        return None
+    path = Path(source).resolve()
+    return path if EXAMPLES in path.parents and path.is_file() else None
+
+
+def source_line(env, config, path, block):
+    """The line under an included block: its file, a download link, its repository folder."""
+    name = path.relative_to(EXAMPLES).as_posix()
+    docdir = Path(env.doc2path(env.docname)).parent
+    whole = block.astext().strip() == path.read_text(encoding="utf-8").strip()
+    download = addnodes.download_reference(
+        "", "", nodes.inline(text=_("download") if whole else _("download the whole file")),
+        reftarget=os.path.relpath(path, docdir), refdoc=env.docname, refexplicit=True,
+        refdomain="", reftype="download",
+    )  # fmt: skip
+    folder = f"{config.repository_url.rstrip('/')}/tree/main/examples/{path.parent.name}"
+    repository = nodes.reference("", "", nodes.Text(_("the folder in the repository")),
+                                 refuri=folder)  # fmt: skip
+    template = (
+        _("{file}: {download} · {repository}")
+        if whole
+        else _("An excerpt of {file}: {download} · {repository}")
+    )
+    paragraph = nodes.paragraph(classes=["example-source"])
+    paragraph.extend(fill(template, file=nodes.literal(text=name), download=download,
+                          repository=repository))  # fmt: skip
+    return paragraph
+
+
+class VerificationTransform(SphinxTransform):
+    """Adds the stamp under the title and a source line under each included example."""
+
+    default_priority = 880  # after the translations (Locale, 20) and MyST's own transforms
+
+    def apply(self):
+        if self.app.builder.name == "gettext":  # nothing of this goes into the page catalogs
+            return
+        examples = []
+        for block in list(self.document.findall(nodes.literal_block)):
+            path = included_example(block)
+            if path is None:
+                continue
+            examples.append(path.relative_to(EXAMPLES).as_posix())
+            block.parent.insert(
+                block.parent.index(block) + 1, source_line(self.env, self.config, path, block)
+            )
+        section = next(iter(self.document.findall(nodes.section)), None)
+        if section is None or not isinstance(section[0], nodes.title):
+            return
+        section.insert(1, stamp(self.env, sorted(set(examples))))
+
+
+class VerificationTable(SphinxDirective):
+    """The table of every example: where it ran, how many tests, how long, when."""
+
+    def run(self):
+        records = load_records()
+        names = sorted(
+            str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts
+        )  # fmt: skip
+        headings = [_("Example"), _("CPU"), _("Slurm"), _("Grid Engine"), _("GPU"),
+                    _("Time (s)"), _("Date")]  # fmt: skip
+        table = nodes.table(classes=["verification-table"])
+        group = nodes.tgroup(cols=len(headings))
+        table += group
+        for width in (30, 10, 10, 10, 10, 10, 14):
+            group += nodes.colspec(colwidth=width)
+        group += nodes.thead("", row(headings))
+        body = nodes.tbody()
+        for name in names:
+            cells, seconds, dates = [nodes.literal(text=name)], 0.0, []
+            for suite in SUITES:
+                entry = records[suite].get(name)
+                if entry is None:
+                    cells.append("–")
+                    continue
+                outcomes = [outcome for outcome, _s in entry["tests"].values()]
+                seconds += sum(s for _o, s in entry["tests"].values())
+                dates.append(entry["date"])
+                cell = fill(
+                    _("{passed} passed") if "failed" not in outcomes else _("{failed} failed"),
+                    passed=outcomes.count("passed"), failed=outcomes.count("failed"),
+                )  # fmt: skip
+                if entry["stale"]:
+                    cell += [nodes.Text(" "), nodes.emphasis(text=_("(stale)"))]
+                cells.append(cell)
+            cells += [f"{seconds:.1f}" if dates else "–", max(dates) if dates else "–"]
+            body += row(cells)
+        group += body
+        env = self.env
+        for suite in SUITES:
+            env.note_dependency(str(RECORDS / f"{suite}.json"))
+        return [table]
+
+
+def row(cells):
+    result = nodes.row()
+    for cell in cells:
+        entry = nodes.entry()
+        paragraph = nodes.paragraph()
+        if isinstance(cell, list):
+            paragraph.extend(cell)
+        elif isinstance(cell, nodes.Node):
+            paragraph += cell
+        else:
+            paragraph += nodes.Text(str(cell))
+        entry += paragraph
+        result += entry
+    return result
+
+
+def setup(app):
+    app.add_config_value("repository_url", "", "env")
+    app.add_transform(VerificationTransform)
+    app.add_directive("verification-table", VerificationTable)
+    return {"version": "1.0", "parallel_read_safe": True, "parallel_write_safe": True}
