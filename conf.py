@@ -43,9 +43,6 @@ myst_enable_extensions = ["colon_fence", "substitution", "deflist"]
 myst_heading_anchors = 3
 myst_substitutions = {
     "torch_version": VERSIONS["cpu"]["torch"],
-    "python_version": VERSIONS["cpu"]["python"],
-    "gpu_torch_version": VERSIONS["gpu"]["torch"],
-    "gpu_python_version": VERSIONS["gpu"]["python"],
 }
 
 # Translations: absolute path (Sphinx resolves relative ones from source/, sphinx-intl from
