@@ -1,5 +1,7 @@
 """Shared fixtures: where things are, how an example runs, and which tests can run here."""
 
+import hashlib
+import importlib.metadata
 import json
 import os
 import re
@@ -260,11 +262,15 @@ def conda_env(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def horovod_venv(tmp_path_factory, worker_id):
-    """A venv that sees the tests' packages (torch), with Horovod built by
-    examples/horovod/install_horovod.sh: (venv, the script's output, seconds it took).
+    """A venv that sees the tests' packages (torch), with Horovod installed by
+    examples/horovod/install_horovod.sh --wheel-dir HOROVOD_WHEELS: (venv, the script's
+    output, seconds it took).
 
-    Built once per test run: the xdist workers share it through a lock file, so that
-    test_horovod.py and test_slurm.py's Horovod job never build it twice."""
+    The first run on a machine builds Horovod, and the script keeps the wheel in the cache
+    (HOROVOD_WHEELS, keyed by the script itself and the compiler; the script adds torch and
+    Python); later runs, fresh clones too, install that wheel. One venv per test run: the xdist
+    workers share it through a lock file, so that test_horovod.py and test_slurm.py's Horovod
+    job never install it twice, and test runs beside this one wait for its build."""
     root = tmp_path_factory.getbasetemp()
     if worker_id != "master":
         root = root.parent  # the folder all workers of this run share
@@ -280,10 +286,19 @@ def horovod_venv(tmp_path_factory, worker_id):
             ours = sysconfig.get_path("purelib")
             theirs = sysconfig.get_path("purelib", vars={"base": venv, "platbase": venv})
             Path(theirs, "tests-packages.pth").write_text(f"{ours}\n")
+            HOROVOD_WHEELS.mkdir(parents=True, exist_ok=True)
             start = time.perf_counter()
-            install = EXAMPLES / "horovod" / "install_horovod.sh"
-            # Measured: 631 to 1075 s on 2 cores shared with other tests.
-            proc = run(["bash", install], cwd=folder, env=activated(venv), timeout=1800)
+            cmd = ["bash", HOROVOD_INSTALL, "--wheel-dir", HOROVOD_WHEELS]
+            # Measured: a build 631 to 1075 s on 2 cores shared with other tests; from the
+            # cached wheel 10 s.
+            with filelock.FileLock(str(HOROVOD_WHEELS / "lock")):  # one build per machine
+                proc = run(cmd, cwd=folder, env=activated(venv), timeout=1800, expect_rc=None)
+            if proc.returncode != 0:
+                pytest.fail(
+                    f"install_horovod.sh exited {proc.returncode}{CACHE_HINT}\n"
+                    f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}",
+                    pytrace=False,
+                )
             built.write_text(json.dumps([proc.stdout, time.perf_counter() - start]))
     out, seconds = json.loads(built.read_text())
     return folder / "venv", out, seconds
@@ -373,3 +388,53 @@ torch.utils.data.DataLoader.__iter__ = stalled
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
+
+
+# --- The cache of what the tests build, outside the clone: a fresh clone on the same machine
+# reuses it. The Makefile passes its root (PYTORCH_ON_HPC_CACHE; make clean-cache removes it).
+# Each part sits under a key made of the versions that built it, so that a change of any of them
+# builds again instead of loading a binary made for another version.
+CACHE = Path(
+    os.environ.get("PYTORCH_ON_HPC_CACHE")
+    or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pytorch-on-hpc"
+)
+CACHE_HINT = f" (if a cached build is broken: make clean-cache, or rm -r {CACHE})"
+
+
+def _version(package):
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def _compiler():
+    """The C++ compiler torch and Horovod's CMake build with, as name and version: gcc12.2.0."""
+    try:
+        first = subprocess.run(
+            [os.environ.get("CXX", "c++"), "--version"], capture_output=True, text=True,
+            check=False,
+        ).stdout.partition("\n")[0]  # fmt: skip
+    except OSError:
+        return "nocxx"
+    version = re.search(r"\d+\.\d+[.\d]*", first)
+    return ("clang" if "clang" in first else "gcc") + (version[0] if version else "unknown")
+
+
+CACHE_KEY = f"py{sys.version_info[0]}.{sys.version_info[1]}-{_compiler()}"
+# DeepSpeed's ops, compiled on first use (torch.utils.cpp_extension); a TORCH_EXTENSIONS_DIR
+# set by hand wins. Every test and the job scripts they run see it through os.environ.
+TORCH_EXTENSIONS = Path(
+    os.environ.get("TORCH_EXTENSIONS_DIR")
+    or CACHE / "torch_extensions"
+    / f"torch{_version('torch')}-deepspeed{_version('deepspeed')}-{CACHE_KEY}"
+)  # fmt: skip
+os.environ["TORCH_EXTENSIONS_DIR"] = str(TORCH_EXTENSIONS)
+# Horovod's wheel, from install_horovod.sh --wheel-dir, which adds a folder for the torch and
+# Python versions and the kind of build. Keyed by the script's own text too: a changed script
+# (another Horovod version, other build settings) builds again.
+HOROVOD_INSTALL = EXAMPLES / "horovod" / "install_horovod.sh"
+HOROVOD_WHEELS = (
+    CACHE / "horovod"
+    / f"{CACHE_KEY}-script{hashlib.sha256(HOROVOD_INSTALL.read_bytes()).hexdigest()[:12]}"
+)  # fmt: skip

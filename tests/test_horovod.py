@@ -1,19 +1,32 @@
 """examples/horovod/: Horovod 0.28.1 built by install_horovod.sh, then trained with horovodrun.
 
 The build is slow (minutes on two idle cores, 10 to 18 minutes measured while other tests shared
-them), so it runs once per test run (the session fixture horovod_venv in conftest.py, which
-test_slurm.py's Horovod job uses too). It needs the package index: a build that cannot download
-Horovod fails, it is not skipped.
+them), so it runs once per machine: the session fixture horovod_venv in conftest.py, which
+test_slurm.py's Horovod job uses too, runs the script with --wheel-dir into the tests' cache,
+keyed by the script's text, the compiler, torch and Python; later test runs install that wheel.
+It needs the package index: a build that cannot download Horovod fails, it is not skipped.
 """
 
+import importlib.metadata
 import re
 import sys
+import sysconfig
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, HAS_CUDA, TESTS, activated, epoch_losses, example_env, run
+from conftest import (
+    EXAMPLES,
+    HAS_CUDA,
+    HOROVOD_WHEELS,
+    TESTS,
+    activated,
+    epoch_losses,
+    example_env,
+    run,
+)
 
 HOROVOD = EXAMPLES / "horovod"
 INSTALL = HOROVOD / "install_horovod.sh"
@@ -30,9 +43,20 @@ def losses(out):  # rank 0's lines: horovodrun puts [rank]<stdout>: before each 
     return epoch_losses(out, prefix="[0]<stdout>:")
 
 
+# The folder install_horovod.sh --wheel-dir keeps the wheel in, for the tests' torch and Python.
+PY = f"py{sys.version_info[0]}.{sys.version_info[1]}"
+WHEEL_FOLDER = f"torch-{importlib.metadata.version('torch')}-{PY}-cpu"
+
+
 def test_install_script_builds_horovod_with_pytorch_and_gloo(horovod_venv, record_property):
+    """On a machine's first run, the script builds Horovod and keeps the wheel in the cache;
+    later runs install that wheel, which this script (its text is in the cache key) built."""
     venv, out, seconds = horovod_venv
-    record_property("timing", f"Horovod build (install_horovod.sh): {seconds:.0f} s")
+    wheels = list((HOROVOD_WHEELS / WHEEL_FOLDER).glob("horovod-0.28.1-*.whl"))
+    assert len(wheels) == 1, out
+    cached = f"Installing {wheels[0]}, built earlier by this script (remove it to build again)\n"
+    how = "from the cached wheel" if cached in out else "build"
+    record_property("timing", f"Horovod {how} (install_horovod.sh --wheel-dir): {seconds:.0f} s")
     assert "Building Horovod 0.28.1 for CPU tensors only (gloo)\n" in out, out
     assert "Horovod v0.28.1:" in out, out
     for line in ("[X] PyTorch", "[X] Gloo", "[ ] MPI", "[ ] TensorFlow"):
@@ -153,8 +177,85 @@ def test_install_script_rejects_an_unknown_option():
     proc = install(Path(sys.prefix), "--cuda", expect_rc=1)
     assert proc.stderr == (
         "install_horovod.sh: error: unknown option --cuda "
-        "(usage: install_horovod.sh [--gpu] [--print-env])\n"
+        "(usage: install_horovod.sh [--gpu] [--print-env] [--wheel-dir DIR])\n"
     )
+
+
+def test_install_script_needs_a_folder_after_wheel_dir():
+    proc = install(Path(sys.prefix), "--print-env", "--wheel-dir", expect_rc=1)
+    assert proc.stderr == (
+        "install_horovod.sh: error: --wheel-dir needs a folder "
+        "(usage: install_horovod.sh [--gpu] [--print-env] [--wheel-dir DIR])\n"
+    )
+
+
+FAKE_HOROVODRUN = """import sys
+
+def main():
+    print("Horovod v0.28.1:" if sys.argv[1:] == ["--check-build"] else "fake horovodrun")
+"""
+
+
+def fake_wheel(folder, name="horovod-0.28.1-py3-none-any.whl"):
+    """A wheel of a stand-in horovod 0.28.1 whose horovodrun prints one line."""
+    folder.mkdir(parents=True)
+    info = "horovod-0.28.1.dist-info"
+    files = {
+        "horovod/__init__.py": FAKE_HOROVODRUN,
+        f"{info}/METADATA": "Metadata-Version: 2.1\nName: horovod\nVersion: 0.28.1\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
+        f"{info}/entry_points.txt": "[console_scripts]\nhorovodrun = horovod:main\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{path},,\n" for path in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(folder / name, "w") as wheel:
+        for path, text in files.items():
+            wheel.writestr(path, text)
+    return folder / name
+
+
+def venv_with_the_tests_packages(folder):
+    """A new venv that sees the tests' packages (torch, and pip), as horovod_venv makes it;
+    without a pip of its own, which is slow to install."""
+    venv = folder / "venv"
+    run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv],
+        cwd=folder)  # fmt: skip
+    theirs = sysconfig.get_path("purelib", vars={"base": venv, "platbase": venv})
+    Path(theirs, "tests-packages.pth").write_text(f"{sysconfig.get_path('purelib')}\n")
+    return venv
+
+
+def test_a_kept_wheel_for_this_torch_is_installed_without_building(tmp_path):
+    """PIP_NO_INDEX (install()): a script that went on to download and build would fail. A
+    broken wheel (cut short, as by a full disk) stops the script; a good one installs."""
+    wheel = fake_wheel(tmp_path / "wheels" / WHEEL_FOLDER)
+    good = wheel.read_bytes()
+    wheel.write_bytes(good[:100])
+    venv = venv_with_the_tests_packages(tmp_path)
+    using = f"Installing {wheel}, built earlier by this script (remove it to build again)\n"
+    proc = install(venv, "--wheel-dir", tmp_path / "wheels", expect_rc=1)
+    assert using in proc.stdout and "installed in" not in proc.stdout, proc.stdout
+    wheel.write_bytes(good)
+    out = install(venv, "--wheel-dir", tmp_path / "wheels").stdout
+    assert using in out, out
+    assert out.endswith(f"Horovod v0.28.1:\nHorovod 0.28.1 installed in {venv}\n"), out
+
+
+@pytest.mark.parametrize(
+    "folder",
+    [
+        f"torch-2.12.0+cpu-{PY}-cpu",
+        f"torch-{importlib.metadata.version('torch')}-py3.10-cpu",
+        WHEEL_FOLDER.replace("-cpu", "-gpu"),
+    ],
+    ids=["other-torch", "other-python", "gpu-build"],
+)
+def test_a_wheel_kept_for_another_build_is_not_used(tmp_path, folder):
+    """The script goes on to download the source, which PIP_NO_INDEX stops (in the tests' venv:
+    nothing is installed)."""
+    fake_wheel(tmp_path / "wheels" / folder)
+    proc = install(Path(sys.prefix), "--wheel-dir", tmp_path / "wheels", expect_rc=1)
+    assert "Installing" not in proc.stdout and "horovod==0.28.1" in proc.stderr, proc.stderr
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the message given for a CPU build of torch")

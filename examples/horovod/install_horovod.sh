@@ -13,23 +13,34 @@
 #     bash install_horovod.sh                      # CPU tensors; several minutes
 #     bash install_horovod.sh --gpu                # GPU tensors with NCCL
 #     bash install_horovod.sh --gpu --print-env    # show the build settings, build nothing
+# To install the same build into several venvs, keep its wheel: --wheel-dir DIR builds it once
+# into DIR/torch-<torch version>-py<Python version>-<cpu|gpu>/, and a later run for the same
+# torch, Python and --gpu installs that wheel without building (remove it to build again):
+#     bash install_horovod.sh --wheel-dir ~/wheels # first venv: builds, keeps the wheel
+#     bash install_horovod.sh --wheel-dir ~/wheels # another venv: installs it, in seconds
 # Then: horovodrun -np 2 -H localhost:2 --gloo python horovod_train.py --fake-data
 set -euo pipefail
 
-USAGE="usage: install_horovod.sh [--gpu] [--print-env]"
+USAGE="usage: install_horovod.sh [--gpu] [--print-env] [--wheel-dir DIR]"
 die() {
     echo "install_horovod.sh: error: $*" >&2
     exit 1
 }
 
-gpu=0 print_only=0
-for arg in "$@"; do
-    case $arg in
+gpu=0 print_only=0 wheel_dir=""
+while (($#)); do
+    case $1 in
         --gpu) gpu=1 ;;
         --print-env) print_only=1 ;;
+        --wheel-dir)
+            [[ -n "${2:-}" ]] || die "--wheel-dir needs a folder ($USAGE)"
+            wheel_dir=$2
+            shift
+            ;;
         -h | --help) echo "$USAGE" && exit 0 ;;
-        *) die "unknown option $arg ($USAGE)" ;;
+        *) die "unknown option $1 ($USAGE)" ;;
     esac
+    shift
 done
 [[ -n "${VIRTUAL_ENV:-}" ]] || die "no active venv: source <venv>/bin/activate first"
 
@@ -81,24 +92,49 @@ fi
 env | grep '^HOROVOD_' | sort
 ((print_only)) && exit 0
 
-python -m pip download --quiet --no-deps --no-binary :all: --dest "$work" \
-    "horovod==$HOROVOD_VERSION"
-tar -xzf "$work/horovod-$HOROVOD_VERSION.tar.gz" -C "$work"
-src="$work/horovod-$HOROVOD_VERSION"
+# The wheel is built into the build folder, or with --wheel-dir into a folder of its own for
+# this torch, Python and kind of build: the binary fits only the torch it was built against.
+wheels=$work/dist
+if [[ -n $wheel_dir ]]; then
+    wheels=$wheel_dir/$(python -c 'import sys, torch
+print(f"torch-{torch.__version__}-py{sys.version_info[0]}.{sys.version_info[1]}")')
+    wheels+=-$( ((gpu)) && echo gpu || echo cpu)
+fi
+wheel=$(find "$wheels" -maxdepth 1 -name "horovod-$HOROVOD_VERSION-*.whl" 2>/dev/null | head -n 1) \
+    || true
+if [[ -n $wheel ]]; then
+    echo "Installing $wheel, built earlier by this script (remove it to build again)"
+else
+    python -m pip download --quiet --no-deps --no-binary :all: --dest "$work" \
+        "horovod==$HOROVOD_VERSION"
+    tar -xzf "$work/horovod-$HOROVOD_VERSION.tar.gz" -C "$work"
+    src="$work/horovod-$HOROVOD_VERSION"
 
-# C++17 instead of C++14, in the two CMake files that set the standard.
-for file in CMakeLists.txt horovod/torch/CMakeLists.txt; do
-    grep -q 'set(CMAKE_CXX_STANDARD 14)' "$src/$file" \
-        || die "no 'set(CMAKE_CXX_STANDARD 14)' in $file of horovod $HOROVOD_VERSION"
-    sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$src/$file"
-done
+    # C++17 instead of C++14, in the two CMake files that set the standard.
+    for file in CMakeLists.txt horovod/torch/CMakeLists.txt; do
+        grep -q 'set(CMAKE_CXX_STANDARD 14)' "$src/$file" \
+            || die "no 'set(CMAKE_CXX_STANDARD 14)' in $file of horovod $HOROVOD_VERSION"
+        sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 17)/' "$src/$file"
+    done
 
-# Build against the venv's torch (no build isolation). Without build isolation, the build
-# tools must be in the venv.
-python -m pip install --quiet setuptools wheel
-jobs=$(nproc)
-export MAKEFLAGS=${MAKEFLAGS:-"-j$((jobs < 8 ? jobs : 8))"}
-python -m pip install --no-build-isolation "$src"
+    # Build against the venv's torch (no build isolation). Without build isolation, the build
+    # tools must be in the venv.
+    python -m pip install --quiet setuptools wheel
+    jobs=$(nproc)
+    export MAKEFLAGS=${MAKEFLAGS:-"-j$((jobs < 8 ? jobs : 8))"}
+    python -m pip wheel --no-build-isolation --no-deps --wheel-dir "$work/built" "$src"
+    built=$(find "$work/built" -name "horovod-$HOROVOD_VERSION-*.whl")
+    # Into the folder under a hidden name first, then renamed: a build that stops halfway
+    # leaves no wheel there that a later run would install.
+    mkdir -p "$wheels"
+    wheel=$wheels/$(basename "$built")
+    partial=$(mktemp "$wheels/.partial.XXXXXX")
+    cp "$built" "$partial"
+    mv "$partial" "$wheel"
+fi
+# Replaces a Horovod of the same version already in the venv, then adds its dependencies.
+python -m pip install --quiet --force-reinstall --no-deps "$wheel"
+python -m pip install "$wheel"
 
 horovodrun --check-build
 echo "Horovod $HOROVOD_VERSION installed in $VIRTUAL_ENV"
