@@ -14,9 +14,11 @@ SPHINXOPTS   ?=
 JOBS         ?= auto
 STRICT       := -W --keep-going -j $(JOBS)
 BUILDDIR     := _build
-# Caches for compiled ops, so repeated runs skip the compile; CI may keep this folder.
-CACHE        ?= $(CURDIR)/.cache
-export TORCH_EXTENSIONS_DIR  ?= $(CACHE)/torch_extensions
+# What the tests build (DeepSpeed's compiled ops, Horovod's wheel), cached outside the clone,
+# so that later runs and fresh clones on this machine skip the builds; tests/conftest.py keys
+# each part by the versions that built it (TORCH_EXTENSIONS_DIR too). make clean-cache empties it.
+CACHE        ?= $(or $(PYTORCH_ON_HPC_CACHE),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/pytorch-on-hpc)
+export PYTORCH_ON_HPC_CACHE := $(CACHE)
 export TORCHINDUCTOR_CACHE_DIR ?= $(CACHE)/inductor
 # torch is pinned as a constraint too, so no dependency can pull another (CUDA) build.
 export PIP_CONSTRAINT        := $(CURDIR)/constraints.txt
@@ -28,7 +30,7 @@ SPHINXBUILD = $(VENV)/bin/sphinx-build
 
 .DEFAULT_GOAL := help
 .PHONY: help venv html html-all gettext update-po test test-gpu test-slurm linkcheck serve \
-        clean clean-venv system-packages node-packages slurm-up slurm-down
+        clean clean-venv clean-cache system-packages node-packages slurm-up slurm-down
 
 help:
 	@echo "make html       build one language (SPHINXOPTS=-Dlanguage=fr for French) into $(BUILDDIR)/html/<lang>/"
@@ -42,6 +44,7 @@ help:
 	@echo "make linkcheck  check every internal link of the built site"
 	@echo "make serve      live preview on http://127.0.0.1:8000"
 	@echo "make clean      remove $(BUILDDIR)/ ; make clean-venv removes $(VENV)/"
+	@echo "make clean-cache remove what the tests built and keep between runs, in $(CACHE)/"
 
 # The virtual environment, created from requirements.txt when missing or older than it.
 venv: $(VENV)/.installed
@@ -85,7 +88,7 @@ tests/node/node_modules/.installed: tests/node/package.json tests/node/package-l
 
 # The whole CPU suite, examples in parallel. Extra pytest options: make test PYTEST_ARGS='-k install'
 test: venv system-packages node-packages
-	@echo ">>> Running the test suite"
+	@echo ">>> Running the test suite; built ops and wheels are kept in $(CACHE)/ (make clean-cache)"
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
 # GPU tests. A GPU machine may reach no package registry: use the active python when it has
@@ -120,3 +123,6 @@ clean:
 
 clean-venv:
 	rm -rf $(VENV)
+
+clean-cache:
+	rm -rf "$(CACHE)"

@@ -1,6 +1,7 @@
 """examples/deepspeed/: DeepSpeed ZeRO stage 3 on CPU with gloo, without offload and with CPU and
 NVMe offload; Lightning's DeepSpeedStrategy, which needs CUDA GPUs, in the GPU suite."""
 
+import contextlib
 import os
 import re
 import sys
@@ -11,7 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import EXAMPLES, HAS_CUDA, epoch_losses, example_env, free_port, launch, run
+from conftest import (
+    EXAMPLES,
+    HAS_CUDA,
+    TORCH_EXTENSIONS,
+    epoch_losses,
+    example_env,
+    free_port,
+    launch,
+    run,
+)
 
 DS = EXAMPLES / "deepspeed"
 TRAIN = DS / "deepspeed_train.py"
@@ -24,8 +34,12 @@ TINY = ["--device", "cpu", "--fake-size", "512", "--width", "64", "--layers", "2
         "--epochs", "3", "--lr", "0.01"]  # fmt: skip
 HEADER = "2 processes, cpu (gloo), ZeRO stage 3, 8,970 parameters, optimizer"
 # DeepSpeed compiles its C++ ops on first use (minutes on 2 cores) into TORCH_EXTENSIONS_DIR:
-# one folder for all the tests (make exports one), so that only the first run pays.
-EXTENSIONS = os.environ.get("TORCH_EXTENSIONS_DIR") or "/tmp/pytorch-on-hpc-cache/torch_extensions"
+# one folder for all the tests and test runs on this machine, keyed by the versions of torch,
+# DeepSpeed, Python and the compiler (conftest.py), so that only the first run pays.
+EXTENSIONS = str(TORCH_EXTENSIONS)
+# A compile's lock file (torch waits for it without end) older than this is from a compile that
+# was killed: the slowest compile, async_io, takes 7 to 8 minutes on 2 busy cores.
+STALE_LOCK_SECONDS = 3600
 NOT_ON_GPU = pytest.mark.skipif(HAS_CUDA, reason="checks the message given when no GPU is visible")
 
 
@@ -44,6 +58,10 @@ def compile_ops(record_property, *builders):
     """Compile DeepSpeed's CPU ops into the shared cache before a run, so that the runs are
     timed warm; record how long each took the first time (a compile on a cold cache, a check
     of the cache otherwise)."""
+    for lock in Path(EXTENSIONS).glob("*/lock"):
+        with contextlib.suppress(FileNotFoundError):  # another test run's compile just ended
+            if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+                lock.unlink()
     for builder in builders:
         if builder in COMPILED:
             continue
