@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from recorded import ADDRESSES, check_recorded, transcript
 
 from conftest import (
     EXAMPLES,
@@ -24,6 +25,7 @@ from conftest import (
 )
 
 SHOW = EXAMPLES / "libtorch" / "show_build_info.py"
+HERE = EXAMPLES / "libtorch"
 TORCH_LIB = Path(torch.__file__).parent / "lib"
 TOOLKIT_LIB = "/usr/local/cuda-12.8/lib64"  # a site's CUDA toolkit module would point here
 # The lib folders of the wheel's nvidia-* pip packages (none for a CPU wheel).
@@ -83,6 +85,13 @@ def test_cmake_builds_the_example(built, record_property):
     # The page tells readers to ignore this warning of the pip wheel's TorchConfig.cmake.
     assert "TorchConfig.cmake:" in out and "  library kineto not found." in out
     assert (folder / "build" / "example").is_file()
+    # The page shows the warning as a reader sees it, the venv's path shortened.
+    lines = out.splitlines(keepends=True)
+    first = next(i for i, line in enumerate(lines) if line.startswith("CMake Warning at "))
+    warning = "".join(lines[first : first + 2]).replace(
+        str(TORCH_LIB.parent.parent), ".../site-packages"
+    )
+    check_recorded(HERE / "cmake-kineto-warning.out", warning)
 
 
 @pytest.mark.cpp
@@ -130,16 +139,18 @@ def test_without_a_runpath_the_loader_cannot_find_libtorch(built, tmp_path):
     show_build_info.py names the libraries that ldd cannot find."""
     folder = built[0]
     objects = list((folder / "build").rglob("example.cpp.o"))
-    bare = tmp_path / "example-without-runpath"
+    bare = tmp_path / "build" / "example"
+    bare.parent.mkdir()
     libraries = [TORCH_LIB / name for name in ("libtorch.so", "libtorch_cpu.so", "libc10.so")]
     run(["g++", *objects, "-o", bare, *libraries], cwd=tmp_path)
     assert runpath(bare) is None
-    proc = run([bare], cwd=tmp_path, env=env_without_library_path(), expect_rc=127)
+    proc = run(["build/example"], cwd=tmp_path, env=env_without_library_path(), expect_rc=127)
     assert re.search(
-        r"error while loading shared libraries: lib(torch|torch_cpu|c10)\.so: cannot open "
-        r"shared object file: No such file or directory",
+        r"^build/example: error while loading shared libraries: lib(torch|torch_cpu|c10)\.so: "
+        r"cannot open shared object file: No such file or directory$",
         proc.stderr,
     ), proc.stderr
+    check_recorded(HERE / "example-without-runpath.out", proc.stderr)
     proc = run([sys.executable, SHOW, "--binary", bare], cwd=tmp_path,
                env=env_without_library_path(), expect_rc=1)  # fmt: skip
     missing = re.search(r"^  NOT FOUND: (.*)$", proc.stdout, re.M)[1]
@@ -152,22 +163,35 @@ def test_without_a_runpath_the_loader_cannot_find_libtorch(built, tmp_path):
 
 @pytest.mark.cpp
 def test_an_uncaught_c10_error_aborts_with_a_backtrace(tmp_path):
-    """What main() in example.cpp avoids, as the page shows it: a c10::Error nobody catches."""
+    """What main() in example.cpp avoids, as the page shows it: the c10::Error of --lr -1
+    (SGDOptions with a negative learning rate) that nobody catches."""
     require_command("g++", "run `make system-packages` as root (apt-get install g++)")
     source = tmp_path / "uncaught.cpp"
     source.write_text(
-        "#include <c10/util/Exception.h>\n"
-        'int main() { TORCH_CHECK(false, "Invalid learning rate: ", -1); }\n'
+        "#include <torch/optim/sgd.h>\n"
+        "int main() {\n"
+        "  std::vector<torch::Tensor> parameters;\n"
+        "  torch::optim::SGD optimizer(parameters, torch::optim::SGDOptions(-1));\n"
+        "}\n"
     )
     include = TORCH_LIB.parent / "include"
-    run(["g++", "-std=c++17", "-isystem", include, source, "-o", "uncaught",
-         f"-Wl,-rpath,{TORCH_LIB}", TORCH_LIB / "libc10.so"], cwd=tmp_path)  # fmt: skip
+    run(["g++", "-std=c++20", "-isystem", include, "-isystem",
+         include / "torch" / "csrc" / "api" / "include", source, "-o", "uncaught",
+         f"-Wl,-rpath,{TORCH_LIB}", TORCH_LIB / "libtorch_cpu.so", TORCH_LIB / "libc10.so"],
+        cwd=tmp_path, timeout=300)  # fmt: skip
     proc = run([tmp_path / "uncaught"], cwd=tmp_path, expect_rc=-6)  # SIGABRT
     assert proc.stderr.startswith(
         "terminate called after throwing an instance of 'c10::Error'\n"
         "  what():  Invalid learning rate: -1\n"
-        "Exception raised from main at "
+        "Exception raised from SGD at "
     ), proc.stderr
+    # The page shows the first lines, the headers' folder shortened as a reader's venv.
+    first = "".join(proc.stderr.splitlines(keepends=True)[:4])
+    check_recorded(
+        HERE / "uncaught-c10-error.out",
+        first.replace(str(TORCH_LIB.parent), ".../torch"),
+        volatile=[ADDRESSES],
+    )
 
 
 @pytest.mark.cpp
@@ -176,6 +200,9 @@ def test_cuda_without_a_gpu_is_a_one_line_error(built):
         pytest.skip("a GPU is visible here: test_it_trains_on_the_gpu runs the CUDA path")
     proc = run(["build/example", "--device", "cuda"], cwd=built[0], expect_rc=2)
     assert proc.stderr == CUDA_ERROR
+    check_recorded(
+        HERE / "example-no-gpu.out", transcript(("build/example --device cuda", proc.stderr))
+    )
 
 
 @pytest.mark.cpp
@@ -184,6 +211,9 @@ def test_an_error_from_libtorch_is_one_line_not_a_crash(built):
     proc = run(["build/example", "--device", "cpu", "--lr", "-1"], cwd=built[0], expect_rc=1)
     assert proc.stderr == "example: error: Invalid learning rate: -1\n"
     assert "terminate called" not in proc.stderr
+    check_recorded(
+        HERE / "example-bad-lr.out", transcript(("build/example --device cpu --lr -1", proc.stderr))
+    )
 
 
 @pytest.mark.cpp
