@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from recorded import check_recorded
 
 from conftest import EXAMPLES, copy_example, epoch_losses, example_env, run
 
@@ -202,6 +203,9 @@ def test_weights_only_refuses_other_classes_unless_allowed(tmp_path):
     with pytest.raises(Exception, match=r"Unsupported global: GLOBAL pathlib\.PosixPath") as info:
         torch.load(tmp_path / "state.pt", weights_only=True)
     assert "torch.serialization.add_safe_globals([pathlib.PosixPath])" in str(info.value)
+    # The page shows the line that names the class.
+    line = next(x for x in str(info.value).splitlines() if "WeightsUnpickler error:" in x)
+    check_recorded(FOLDER / "weights_only-posixpath.out", line.strip())
     with torch.serialization.safe_globals([pathlib.PosixPath]):
         state = torch.load(tmp_path / "state.pt", weights_only=True)
     assert state == {"data_dir": pathlib.Path("data")}

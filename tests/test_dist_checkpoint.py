@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from recorded import check_recorded
 
 from conftest import EXAMPLES, epoch_losses, example_env, free_port, launch, load_example, run
 
@@ -95,6 +96,9 @@ def test_fsdp_checkpoint_reshards_to_4_and_to_1_process_and_converts(tmp_path, r
         f"weights digest {digest(first)}"
     ) in second
     assert "4 processes, cpu (gloo), shards of 1/4, epochs 2 to 2" in second
+    resumed = next(line for line in second.splitlines() if line.startswith("Resumed from"))
+    check_recorded(FOLDER / "fsdp_dcp-resharded.out", resumed,
+                   volatile=[(r"weights digest [0-9a-f]{16}", "weights digest …")])  # fmt: skip
     assert epoch_losses(second)[0] < epoch_losses(first)[0], (first, second)
     kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert kept == ["epoch-1", "epoch-2"], kept  # no epoch-2.tmp left behind
@@ -127,6 +131,7 @@ def test_fsdp_checkpoint_reshards_to_4_and_to_1_process_and_converts(tmp_path, r
         "torch.Size([64, 3072]) and current: torch.Size([32, 3072]) for model.1.weight "
         "(--width and --blocks must be those of the run that saved it)\n"
     )
+    check_recorded(FOLDER / "fsdp_dcp-width-mismatch.out", proc.stderr)
 
 
 def one_of(world, rank=0, **extra):

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from recorded import check_recorded
 
 from conftest import (
     EXAMPLES,
@@ -182,6 +183,7 @@ def test_leaked_slurm_variables_stop_at_once_instead_of_hanging(tmp_path):
         "for 1 more process(es) that never come. Run the script with srun" in proc.stderr
     )
     assert proc.stderr.count("\n") == 1 and "Initializing distributed" not in proc.stderr
+    check_recorded(TRAIN.parent / "lightning_train-no-srun.out", proc.stderr)
 
 
 def test_the_advice_for_one_process_in_a_job_shell_works(tmp_path):
