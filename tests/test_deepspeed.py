@@ -388,3 +388,32 @@ def test_lightning_deepspeed_on_the_gpus(tmp_path):
     assert f"{gpus} processes, ZeRO stage 3, optimizer states offloaded to CPU" in out, out
     found = [float(x) for x in re.findall(r"^epoch \d+: loss (\S+)$", out, re.M)]
     assert len(found) == 2 and found[-1] < found[0], out
+
+
+def test_the_pages_checkpoint_commands_resume_as_recorded(tmp_path, record_property):
+    """The two commands the page shows, run as they stand in a folder with the config: the
+    lines the script prints about checkpoints and epochs, compared with the recording the page
+    includes (timings, losses and digests vary with the machine)."""
+    from recorded import check_recorded, transcript  # noqa: PLC0415 (this test was added last)
+
+    compile_ops(record_property, "ShareMemCommBuilder")
+    (tmp_path / ZERO3.name).write_bytes(ZERO3.read_bytes())
+    (tmp_path / TRAIN.name).write_bytes(TRAIN.read_bytes())
+    steps, tiny = [], TINY[: TINY.index("--epochs")] + TINY[TINY.index("--epochs") + 2 :]
+    for epochs in (2, 3):
+        args = [*tiny, "--epochs", str(epochs), "--checkpoint-dir", "ck"]
+        command = f"torchrun --standalone --nproc-per-node=2 {TRAIN.name} {' '.join(args)}"
+        out = run([*TORCHRUN, "--nproc-per-node=2", TRAIN.name, *args], cwd=tmp_path,
+                  env=ds_env(), timeout=600).stdout  # fmt: skip
+        kept = ("no checkpoint in ", "resumed from ", "epoch ", "saved ", "wrote ")
+        steps.append((command, "".join(line for line in out.splitlines(keepends=True)
+                                       if line.startswith(kept))))  # fmt: skip
+    check_recorded(
+        DS / "deepspeed_train-resume.out",
+        transcript(*steps),
+        volatile=[
+            (r"\d+ samples/s", "… samples/s"),
+            (r"loss \d+\.\d+", "loss …"),
+            (r"sha256 [0-9a-f]{16}", "sha256 …"),
+        ],
+    )

@@ -5,10 +5,16 @@ and a test compares with what the script prints now (tests/recorded.py). What re
 into the pages is listed in BLOCKS with how it is verified:
 
 - "python": pytest-examples runs it and checks its #> output (test_pages.py);
-- "console": test_console_block below runs its commands as they stand, in a scratch folder
-  with the page's example files, and checks the output lines the block shows;
+- "console": the tests below run its commands as they stand, in a scratch folder with the
+  page's example files, and check the output lines the block shows (paths of the tests' venv
+  and home shown as a reader's, READER_PATHS). The "local" blocks of a page run in one
+  folder, in page order, as a reader goes through it: a build on the page serves the
+  commands after it;
 - "gpu": output that only a GPU prints, with no recorded run in this project: the paragraph
-  above it must say that it is illustrative.
+  above it must say that it is illustrative;
+- "not run": commands that the tests cannot run as they stand (a GPU, Apptainer, a server
+  they cannot reach, a reader's own path), with the reason and the test that runs the same
+  thing where there is one. Such a block shows no output.
 
 A new typed block makes test_every_typed_block_is_verified fail until it is listed here (and
 verified), or replaced by an include of a tested example or recording.
@@ -64,6 +70,15 @@ BLOCKS = {
     ("cpp/libtorch.md",
      '(pytorch) [user@login ~]$ python -c "import torch; print(torch.compiled_with_cxx11_abi())"'):
         ("console", "local"),
+    ("cpp/libtorch.md", "[user@login libtorch]$ bash build.sh --device cpu"): ("console", "local"),
+    ("cpp/libtorch.md", "(pytorch) [user@login libtorch]$ cmake -S . -B build "
+     "-DCMAKE_PREFIX_PATH=\"$(python -c 'import torch; print(torch.utils.cmake_prefix_path)')\""):
+        ("console", "local"),
+    ("cpp/libtorch.md", "(pytorch) [user@login libtorch]$ readelf -d build/example | grep "
+     "RUNPATH"): ("console", "local"),
+    ("cpp/libtorch.md", "[user@login libtorch]$ sbatch libtorch.sbatch"): ("console", "slurm"),
+    ("cpp/libtorch.md", "(pytorch) [user@login libtorch]$ python show_build_info.py"):
+        ("console", "local"),
     ("distributed/horovod.md", "(pytorch) [user@login ~]$ bash install_horovod.sh --print-env"):
         ("console", "local"),
     ("distributed/pipeline.md", "try:"): ("python", "test_pages.py"),
@@ -72,12 +87,54 @@ BLOCKS = {
     ("getting-started/first-job.md", "[user@login ~]$ qsub check_pytorch.qsub"):
         ("console", "gridengine"),
     ("getting-started/first-job.md", "import torch"): ("python", "test_pages.py"),
+    ("getting-started/first-job.md", "[user@login ~]$ salloc --time=00:30:00 --cpus-per-task=4 "
+     "--mem=8G --gpus-per-node=1"): ("not run", "check_pytorch.py --device cuda needs a GPU that "
+     "PyTorch can use: the tests' cluster has fake ones; test_slurm.py submits "
+     "check_pytorch.sbatch, the same module, venv and srun -c, and the sbatch block above runs"),
+    ("getting-started/first-job.md", "[user@login ~]$ qrsh -l h_rt=00:30:00 -pe smp 4 -l gpu=1"):
+        ("not run", "check_pytorch.py --device cuda needs a GPU, and qrsh an interactive "
+         "shell; test_gridengine.py submits check_pytorch.qsub, the same module and venv"),
     ("getting-started/first-job.md",
      "(pytorch) [user@gpu-node ~]$ torchrun --standalone --nproc-per-node=2 check_distributed.py"):
         ("console", "local"),
     ("getting-started/install.md", "[user@login ~]$ TORCH_BUILD=cu128 bash make_venv.sh"):
         ("console", "local"),
     ("getting-started/install.md", "import torch"): ("python", "test_pages.py"),
+    ("getting-started/install.md", "[user@login ~]$ module avail pytorch"): ("console", "local"),
+    ("getting-started/install.md", "(pytorch) [user@login ~]$ python -m pip install "
+     "--index-url https://download.pytorch.org/whl/cu128 torch==2.13.0 torchvision==0.28.0"):
+        ("not run", "download.pytorch.org cannot be reached from the test machines, and the "
+         "tests install nothing into their venv: test_install_venv.py installs the same two "
+         "pins from a copy of that index"),
+    ("getting-started/install.md", "[user@login ~]$ WHEELHOUSE=/path/to/wheelhouse bash "
+     "make_venv.sh"): ("not run", "/path/to/wheelhouse is the site's: test_install_venv.py runs "
+     "make_venv.sh with WHEELHOUSE set to a wheelhouse it builds"),
+    ("getting-started/install.md", "VENV=$SLURM_TMPDIR/venv WHEELHOUSE=/path/to/wheelhouse bash "
+     "make_venv.sh"): ("not run", "a line for a job script, with the site's wheelhouse: "
+     "test_install_venv.py runs make_venv.sh with VENV and WHEELHOUSE set"),
+    ("getting-started/install.md", "[user@login ~]$ export "
+     "APPTAINER_CACHEDIR=/path/to/project/apptainer-cache"): ("not run", "Apptainer cannot be "
+     "installed on the test machines (no Debian package), and the image (10 GB) is on nvcr.io, "
+     "which they cannot reach"),
+    ("getting-started/install.md", "(pytorch) [user@login ~]$ python -m pip install ipykernel"):
+        ("not run", "installs from PyPI into the reader's venv: the tests install nothing into "
+         "the venv they run in"),
+    ("distributed/lightning.md", "$ python lightning_train.py --fake-data --devices 2"):
+        ("console", "local"),
+    ("performance/gpu-benchmark.md", "$ python resnet_benchmark.py --models resnet50 --modes "
+     "train --precisions amp_bf16 \\"): ("not run", "amp_bf16 training of ResNet-50 at batch "
+     "256 needs a GPU: test_benchmark.py runs resnet_benchmark.py with tiny settings on CPU"),
+    ("reliability/preemption.md", "sbatch preemptible.sbatch --fake-data --checkpoint-dir <the "
+     "old job's checkpoint folder>"): ("not run", "the folder of an earlier job: test_slurm.py's "
+     "preemption test resumes a job from its checkpoint folder"),
+    ("reliability/preemption.md", "$ python preemptible.py --fake-data --epochs 3 &"):
+        ("not run", "the reader sends the signal while it trains, and 3 epochs of the default "
+         "8,192 images take minutes on the test machines: test_preemption.py starts the script, "
+         "sends SIGUSR1 after its first epoch, checks exit code 75 and resumes it"),
+    ("reliability/preemption.md", "$ sbatch preemptible.sbatch --fake-data"):
+        ("not run", "the default 8,192 images take minutes an epoch on the tests' cluster: "
+         "test_slurm.py submits preemptible.sbatch with fewer, sends scancel --signal=USR1 "
+         "--batch after the first epoch, and checks the requeue and the resumed run"),
     ("performance/precision.md", "import torch"): ("python", "test_pages.py"),
     ("reliability/troubleshooting.md",
      "torch.AcceleratorError: CUDA error: no kernel image is available for execution on the "
@@ -102,73 +159,6 @@ NOT_RUN = {
     "against a copy of that index",
 }
 
-# Typed blocks not yet verified: listed, so that every run reports each of them as an xfail
-# with its reason. An entry whose block is gone, or is also in BLOCKS, fails
-# test_every_listed_block_is_on_its_page, so the list cannot outlive the blocks.
-PENDING = {
-    ("cpp/libtorch.md", "example: error: --device cuda but no GPU is visible: run on a GPU node "
-     "(#SBATCH --gpus-per-node=1) or pass --device cpu"): "output typed into the page",
-    ("cpp/libtorch.md", "terminate called after throwing an instance of 'c10::Error'"):
-        "output typed into the page",
-    ("cpp/libtorch.md", "example: error: Invalid learning rate: -1"): "output typed into the page",
-    ("cpp/libtorch.md", "CMake Warning at .../site-packages/torch/share/cmake/Torch/"
-     "TorchConfig.cmake:22 (message):"): "output typed into the page",
-    ("cpp/libtorch.md", "[user@login libtorch]$ bash build.sh --device cpu"): "console, not run",
-    ("cpp/libtorch.md", "(pytorch) [user@login libtorch]$ cmake -S . -B build "
-     "-DCMAKE_PREFIX_PATH=\"$(python -c 'import torch; print(torch.utils.cmake_prefix_path)')\""):
-        "console, not run",
-    ("cpp/libtorch.md", "(pytorch) [user@login libtorch]$ readelf -d build/example | grep "
-     "RUNPATH"): "console, not run",
-    ("cpp/libtorch.md", "build/example: error while loading shared libraries: libtorch_cpu.so: "
-     "cannot open shared object file: No such file or directory"): "output typed into the page",
-    ("cpp/libtorch.md", "[user@login libtorch]$ sbatch libtorch.sbatch"): "console, not run",
-    ("cpp/libtorch.md", "(pytorch) [user@login libtorch]$ python show_build_info.py"):
-        "console, not run",
-    ("distributed/deepspeed.md", "$ torchrun --standalone --nproc-per-node=2 deepspeed_train.py "
-     "--device cpu --epochs 2 --checkpoint-dir ck"): "output typed into the page",
-    ("distributed/lightning.md", "lightning_train.py: error: SLURM_NTASKS=2 but srun started 1: "
-     "Lightning would wait for 1 more process(es) that never come. Run the script with srun "
-     "(srun python lightning_train.py), or train on this node alone with "
-     "SLURM_JOB_NAME=interactive python lightning_train.py"): "output typed into the page",
-    ("distributed/lightning.md", "python lightning_train.py --fake-data --devices 2"):
-        "command, not run",
-    ("getting-started/first-job.md", "[user@login ~]$ salloc --time=00:30:00 --cpus-per-task=4 "
-     "--mem=8G --gpus-per-node=1"): "console, not run",
-    ("getting-started/first-job.md", "[user@login ~]$ qrsh -l h_rt=00:30:00 -pe smp 4 -l gpu=1"):
-        "console, not run",
-    ("getting-started/first-job.md", "Job 123456: 4 processes on gpu[01-02], rendezvous at "
-     "gpu01:18456"): "GPU output typed into the page",
-    ("getting-started/install.md", "[user@login ~]$ module avail pytorch"): "console, not run",
-    ("getting-started/install.md", "(pytorch) [user@login ~]$ python -m pip install "
-     "--index-url https://download.pytorch.org/whl/cu128 torch==2.13.0 torchvision==0.28.0"):
-        "console, not run",
-    ("getting-started/install.md", "[user@login ~]$ WHEELHOUSE=/path/to/wheelhouse bash "
-     "make_venv.sh"): "console, not run",
-    ("getting-started/install.md", "VENV=$SLURM_TMPDIR/venv WHEELHOUSE=/path/to/wheelhouse bash "
-     "make_venv.sh"): "command, not run",
-    ("getting-started/install.md", "[user@login ~]$ export "
-     "APPTAINER_CACHEDIR=/path/to/project/apptainer-cache"): "console, not run",
-    ("getting-started/install.md", "(pytorch) [user@login ~]$ python -m pip install ipykernel"):
-        "console, not run",
-    ("performance/gpu-benchmark.md", "$ python resnet_benchmark.py --models resnet50 --modes "
-     "train --precisions amp_bf16 \\"): "console, not run",
-    ("reliability/checkpointing.md", "WeightsUnpickler error: Unsupported global: GLOBAL "
-     "pathlib.PosixPath was not an allowed global by default. Please use "
-     "`torch.serialization.add_safe_globals([pathlib.PosixPath])` or the "
-     "`torch.serialization.safe_globals([pathlib.PosixPath])` context manager to allowlist this "
-     "global if you trust this class/function."): "output typed into the page",
-    ("reliability/distributed-checkpointing.md", "fsdp_dcp.py: error: cannot resume from "
-     "checkpoints/epoch-2: Size mismatch between saved torch.Size([64, 3072]) and current: "
-     "torch.Size([32, 3072]) for model.1.weight (--width and --blocks must be those of the run "
-     "that saved it)"): "output typed into the page",
-    ("reliability/distributed-checkpointing.md", "Resumed from checkpoints/epoch-1, saved by 2 "
-     "processes after epoch 1, loaded by 4: weights digest ..."): "output typed into the page",
-    ("reliability/preemption.md", "sbatch preemptible.sbatch --fake-data --checkpoint-dir <the "
-     "old job's checkpoint folder>"): "command, not run",
-    ("reliability/preemption.md", "python preemptible.py --fake-data --epochs 3 &"):
-        "commands, not run",
-    ("reliability/preemption.md", "sbatch preemptible.sbatch --fake-data"): "commands, not run",
-}  # fmt: skip
 
 ALL_BLOCKS = [
     (page, line, language, text) for page in PAGES for line, language, text in typed_blocks(page)
@@ -189,8 +179,6 @@ def test_the_pages_have_typed_blocks():
 @pytest.mark.parametrize(("page", "line", "language", "text"), ALL_BLOCKS, ids=BLOCK_IDS)
 def test_every_typed_block_is_verified(page, line, language, text):
     where = f"{page_name(page)}:{line}"
-    if key(page, text) in PENDING:
-        pytest.xfail(f"{where}: {PENDING[key(page, text)]}")
     assert key(page, text) in BLOCKS, (
         f"{where}: a ```{language} block typed into the page. Include a file of examples/ that "
         "a test runs (or a recorded output that a test compares, tests/recorded.py), or make "
@@ -205,15 +193,19 @@ def test_every_typed_block_is_verified(page, line, language, text):
         above = page.read_text(encoding="utf-8").splitlines()[: line - 1]
         paragraph = "\n".join(above).rstrip().rsplit("\n\n", 1)[-1]
         assert "illustrative" in paragraph, f"{where}: say above it that it is illustrative"
+    elif kind == "not run":
+        # Commands only: a block that is not run must not show output as if it were.
+        assert language in ("console", "bash", "text") and detail, where
+        if language == "console":
+            assert all(not shown for _, _, shown in commands(text)), f"{where} shows output"
     else:
         pytest.fail(f"{where}: unknown kind {kind!r}")
 
 
 def test_every_listed_block_is_on_its_page():
     found = {key(page, text) for page, _, _, text in ALL_BLOCKS}
-    stale = sorted((set(BLOCKS) | set(PENDING)) - found)
+    stale = sorted(set(BLOCKS) - found)
     assert not stale, f"listed in tests/test_page_blocks.py but no longer on the page: {stale}"
-    assert not set(BLOCKS) & set(PENDING)
 
 
 pytest_examples = pytest.importorskip(
@@ -295,6 +287,12 @@ def shell_env(tmp_path):
     return env
 
 
+def reader_paths(text, env):
+    """The tests' venv and home, in what a command printed, as the reader's."""
+    text = text.replace(os.path.realpath(sys.prefix), "/home/user/venvs/pytorch")
+    return text.replace(env["HOME"], "/home/user")
+
+
 def run_block(page, text, folder, env, wait=None):
     """Run the block's commands in one bash, in order, as a reader types them; each must exit
     0 and print the output lines the block shows (with the real job id for JOB_ID). wait
@@ -313,7 +311,7 @@ def run_block(page, text, folder, env, wait=None):
             script.append(f'echo "$JOB_ID" >.job-id; {wait}')
     proc = subprocess.run(
         ["bash", "-c", "\n".join(script)], cwd=folder, env=env, capture_output=True, text=True,
-        timeout=300, check=False,
+        timeout=600, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     if wait:  # every job the block submitted ended well
@@ -329,7 +327,7 @@ def run_block(page, text, folder, env, wait=None):
             if (folder / ".job-id").exists():  # the real job id where the page shows JOB_ID
                 job_id = (folder / ".job-id").read_text().strip()
                 out = re.sub(rf"\b{job_id}\b", JOB_ID, out)
-            printed = out
+            printed = reader_paths(out, env)
             assert printed.splitlines() == shown, f"{command} printed:\n{out}"
 
 
@@ -342,9 +340,18 @@ def blocks_in(context):
     )
 
 
-@blocks_in("local")
-def test_console_block(page, text, tmp_path):
-    run_block(page, text, tmp_path, shell_env(tmp_path))
+LOCAL = {}
+for _page, _, _text in CONSOLE:
+    if BLOCKS[key(_page, _text)][1] == "local":
+        LOCAL.setdefault(_page, []).append(_text)
+
+
+@pytest.mark.parametrize(("page", "texts"), LOCAL.items(), ids=[page_name(p) for p in LOCAL])
+def test_console_blocks(page, texts, tmp_path):
+    """A page's local blocks, in page order, in one folder and shell environment."""
+    env = shell_env(tmp_path)
+    for text in texts:
+        run_block(page, text, tmp_path, env)
 
 
 @pytest.mark.slurm

@@ -13,6 +13,7 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+from recorded import check_recorded
 
 from conftest import EXAMPLES, Job, copy_example, run
 
@@ -321,6 +322,23 @@ def test_job_script_completes_under_slurm(
             assert node in info["output"], f"no output from {node}:\n{info['output']}"
     if SRUN_LINE.search(commands(script)):
         check_step_cores(cluster, job_id, info)
+    if script in RECORDED:  # the first job page shows this run's output
+        check_recorded(RECORDED[script], in_rank_order(info["output"]), volatile=JOB_AND_PORT)
+
+
+# Job scripts whose output a page shows: recorded from their run above (tests/recorded.py).
+RECORDED = {"first-job/check_distributed.sbatch": EXAMPLES / "first-job" / "check_distributed.out"}
+JOB_AND_PORT = [(r"^Job \d+: ", "Job …: "), (r"rendezvous at (\S+):\d+$", r"rendezvous at \1:…")]
+
+
+def in_rank_order(output):
+    """srun passes on the lines of the tasks as they come: the lines of ranks in rank order."""
+    lines = output.splitlines(keepends=True)
+    ranks = [i for i, line in enumerate(lines) if line.startswith("rank ")]
+    by_rank = sorted((lines[i] for i in ranks), key=lambda line: int(line.split()[1].split("/")[0]))
+    for i, line in zip(ranks, by_rank, strict=True):
+        lines[i] = line
+    return "".join(lines)
 
 
 def commands(script):
