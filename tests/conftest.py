@@ -421,13 +421,23 @@ def _compiler():
     return ("clang" if "clang" in first else "gcc") + (version[0] if version else "unknown")
 
 
+def _cpu_model():
+    """The CPU's model, as deepspeed.sbatch names it: DeepSpeed compiles for the CPU it runs
+    on (-march=native), and CI may restore the cache on another machine."""
+    try:
+        found = re.search(r"^model name\s*:\s*(.+)$", Path("/proc/cpuinfo").read_text(), re.M)
+    except OSError:
+        found = None
+    return re.sub(r"[^A-Za-z0-9]", "_", found[1].strip()) if found else os.uname().machine
+
+
 CACHE_KEY = f"py{sys.version_info[0]}.{sys.version_info[1]}-{_compiler()}"
 # DeepSpeed's ops, compiled on first use (torch.utils.cpp_extension); a TORCH_EXTENSIONS_DIR
 # set by hand wins. Every test and the job scripts they run see it through os.environ.
 TORCH_EXTENSIONS = Path(
     os.environ.get("TORCH_EXTENSIONS_DIR")
     or CACHE / "torch_extensions"
-    / f"torch{_version('torch')}-deepspeed{_version('deepspeed')}-{CACHE_KEY}"
+    / f"torch{_version('torch')}-deepspeed{_version('deepspeed')}-{CACHE_KEY}-{_cpu_model()}"
 )  # fmt: skip
 os.environ["TORCH_EXTENSIONS_DIR"] = str(TORCH_EXTENSIONS)
 # Horovod's wheel, from install_horovod.sh --wheel-dir, which adds a folder for the torch and
