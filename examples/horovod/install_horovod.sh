@@ -128,9 +128,8 @@ else
     # leaves no wheel there that a later run would install.
     mkdir -p "$wheels"
     wheel=$wheels/$(basename "$built")
-    partial=$(mktemp "$wheels/.partial.XXXXXX")
-    cp "$built" "$partial"
-    mv "$partial" "$wheel"
+    cp "$built" "$wheels/.partial.$$"
+    mv "$wheels/.partial.$$" "$wheel"
 fi
 # Replaces a Horovod of the same version already in the venv, then adds its dependencies.
 python -m pip install --quiet --force-reinstall --no-deps "$wheel"
