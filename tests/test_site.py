@@ -10,7 +10,7 @@ from html.parser import HTMLParser
 
 import pytest
 
-from conftest import LANGUAGES, ROOT, SOURCE, TESTS, TRANSLATIONS, VERSIONS, require_command
+from conftest import LANGUAGES, ROOT, SOURCE, TESTS, TRANSLATIONS, require_command
 
 PAGES = sorted(str(p.relative_to(SOURCE).with_suffix("")) for p in SOURCE.rglob("*.md"))
 # Tab labels that are names, the same in every language. Any other label must be translated.
