@@ -31,7 +31,9 @@ extensions = [
     "verification",  # stamps from tests/records/, a download link under every included script
 ]
 # The repository whose examples/ folder the pages link to (verification.py).
-repository_url = os.environ.get("REPOSITORY_URL", "https://github.com/pytorch-on-hpc/pytorch-on-hpc")
+repository_url = os.environ.get(
+    "REPOSITORY_URL", "https://github.com/pytorch-on-hpc/pytorch-on-hpc"
+)
 source_suffix = {".md": "markdown"}
 exclude_patterns = ["_build", "_root", "_templates", "_static", "_ext"]
 templates_path = ["source/_templates"]
