@@ -208,7 +208,9 @@ def source_line(env, config, path, block):
 class VerificationTransform(SphinxTransform):
     """Adds the stamp under the title and a source line under each included example."""
 
-    default_priority = 880  # after the translations (Locale, 20) and MyST's own transforms
+    # After the translations (Locale, 20), before doctree-read (DoctreeReadEvent, 880), whose
+    # collectors copy the download files.
+    default_priority = 870
 
     def apply(self):
         if self.app.builder.name == "gettext":  # nothing of this goes into the page catalogs
