@@ -145,3 +145,39 @@ def test_a_rank_busier_than_the_start_up_timeout_does_not_kill_the_job(script, t
     )  # fmt: skip
     assert [rc for rc, _, _ in ranks] == [0] * world, ranks
     assert any("epoch 2: loss " in out for _, out, _ in ranks), ranks  # the last stage prints
+
+
+def frees_before_destroying(script):
+    """Whether each function that calls destroy_process_group deletes its objects first."""
+    tree = ast.parse(script.read_text(encoding="utf-8"))
+    found = []
+    for function in ast.walk(tree):
+        if not isinstance(function, ast.FunctionDef):
+            continue
+        statements = function.body
+        for i, statement in enumerate(statements):
+            if "destroy_process_group" in ast.unparse(statement):
+                found.append(any(isinstance(s, ast.Delete) for s in statements[:i]))
+    return found
+
+
+# Scripts whose process group outlives no model: one collective, or DeepSpeed's engine.destroy().
+NO_MODEL_HOLDS_THE_GROUP = {"first-job/check_distributed.py", "deepspeed/deepspeed_train.py"}
+
+
+DESTROYING = [
+    p
+    for p in TRAINING
+    if "destroy_process_group" in p.read_text() and rel(p) not in NO_MODEL_HOLDS_THE_GROUP
+]  # Lightning destroys its group itself
+
+
+@pytest.mark.parametrize("script", DESTROYING, ids=rel)
+def test_models_are_freed_before_the_group_is_destroyed(script):
+    """DDP's reducer, FSDP's mesh and pipeline stages keep the process group alive. Left to
+    interpreter shutdown, a gloo group is destroyed after Python has finalised, and one rank in
+    a few aborts with "terminate called without an active exception" after the last epoch
+    (measured: 3 aborts in 24 runs of mps_ddp.py with 4 processes under load, 0 in 30 once it
+    deleted its model and optimizer first; CI met it in Slurm jobs of mps_ddp and fsdp)."""
+    found = frees_before_destroying(script)
+    assert found and all(found), f"{rel(script)}: del the model and optimizer before destroying"

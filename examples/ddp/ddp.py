@@ -196,6 +196,7 @@ def main(argv=None):
             loss_sum, images_seen = totals.tolist()
             print(f"epoch {epoch + 1}: loss {loss_sum / images_seen:.4f}, "
                   f"{images_seen / seconds:.0f} images/s")  # fmt: skip
+    del model, optimizer  # they hold the process group: free it while Python still runs
     dist.destroy_process_group()
 
 

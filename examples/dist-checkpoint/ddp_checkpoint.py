@@ -276,6 +276,7 @@ def main(argv=None):
 
     if rank == 0:
         print(f"Weights digest: {weights_digest(torch, model.module.state_dict())}")
+    del model, optimizer  # they hold the process group: free it while Python still runs
     dist.destroy_process_group()
 
 

@@ -355,6 +355,7 @@ def main(argv=None):
     digest = sharded_digest(torch, model)
     if rank == 0:
         print(f"Weights digest: {digest}")
+    del model, optimizer, mesh  # they hold the process group: free it while Python still runs
     dist.barrier()  # no rank tears its groups down while another still communicates
     dist.destroy_process_group()
 

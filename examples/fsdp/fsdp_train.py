@@ -273,6 +273,7 @@ def main(argv=None):
             loss_sum, images_seen = totals.tolist()
             print(f"epoch {epoch + 1}: loss {loss_sum / images_seen:.4f}, "
                   f"{images_seen / seconds:.0f} images/s{memory}")  # fmt: skip
+    del model, optimizer, mesh  # they hold the process group: free it while Python still runs
     dist.barrier()  # no rank tears its groups down while another still communicates
     dist.destroy_process_group()
 

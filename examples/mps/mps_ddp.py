@@ -92,6 +92,7 @@ def main(argv=None):
         if rank == 0:
             print(f"epoch {epoch + 1}: loss {mean_loss.item() / world:.3f}, "
                   f"{rate.item():.0f} samples/s with {world} replicas on {device}")  # fmt: skip
+    del model, optimizer  # they hold the process group: free it while Python still runs
     dist.barrier()  # no rank tears its group down while another still communicates
     dist.destroy_process_group()
 

@@ -225,6 +225,7 @@ def main(argv=None):
             print(f"epoch {epoch + 1}: loss {loss_sum / images_seen:.4f}, "
                   f"{images_seen / seconds:.0f} images/s")  # fmt: skip
     # [train-end]
+    del schedule, stage, optimizer  # they hold the process group: free it while Python still runs
     dist.barrier()  # no rank tears its groups down while another still communicates
     dist.destroy_process_group()
 
