@@ -289,8 +289,8 @@ def horovod_venv(tmp_path_factory, worker_id):
             HOROVOD_WHEELS.mkdir(parents=True, exist_ok=True)
             start = time.perf_counter()
             cmd = ["bash", HOROVOD_INSTALL, "--wheel-dir", HOROVOD_WHEELS]
-            # Measured: a build 631 to 1075 s on 2 cores shared with other tests; from the
-            # cached wheel 10 s.
+            # Measured on 2 cores shared with other tests: a build 488 to 1075 s; from the
+            # cached wheel 19 to 23 s.
             with filelock.FileLock(str(HOROVOD_WHEELS / "lock")):  # one build per machine
                 proc = run(cmd, cwd=folder, env=activated(venv), timeout=1800, expect_rc=None)
             if proc.returncode != 0:
