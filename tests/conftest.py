@@ -65,8 +65,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
     # Longest files first, so that pytest-xdist starts them at once: the Slurm tests wait about
     # a minute for a job to overrun its time limit, the venv tests install PyTorch twice.
-    first = {"test_slurm.py": 0, "test_install_venv.py": 1, "test_gridengine.py": 2}
-    items.sort(key=lambda item: first.get(item.path.name, 3))
+    # On a cold cache, the Horovod build and DeepSpeed's op builds take minutes: start them early.
+    first = {"test_slurm.py": 0, "test_deepspeed.py": 1, "test_horovod.py": 2,
+             "test_install_venv.py": 3, "test_gridengine.py": 4}  # fmt: skip
+    items.sort(key=lambda item: first.get(item.path.name, 5))
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -33,7 +33,18 @@ def test_tests_run_on_the_versions_the_pages_name():
 
 @pytest.mark.parametrize(
     "target",
-    ["html", "html-all", "gettext", "update-po", "test", "test-gpu", "linkcheck", "serve", "clean"],
+    [
+        "html",
+        "html-all",
+        "gettext",
+        "update-po",
+        "test",
+        "test-gpu",
+        "linkcheck",
+        "serve",
+        "clean",
+        "clean-cache",
+    ],  # fmt: skip
 )
 def test_makefile_has_target(target):
     proc = subprocess.run(
