@@ -18,11 +18,6 @@ _spec = importlib.util.spec_from_file_location("verification", SOURCE / "_ext" /
 verification = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(verification)
 SCRIPT = verification.SCRIPT
-# Scripts that only a GPU runs: the CPU suite cannot run them, and no GPU record exists yet.
-GPU_ONLY = {
-    "troubleshooting/duplicate_gpu.py": "NCCL needs two ranks on one CUDA GPU",
-    "troubleshooting/out_of_memory.py": "CUDA out of memory needs a CUDA GPU",
-}
 
 
 def committed():
@@ -76,9 +71,8 @@ def test_every_script_has_a_record(records):
         if p.is_file() and SCRIPT.match(p.name) and "__pycache__" not in p.parts
     }  # fmt: skip
     recorded = {name for examples in records.values() for name in examples}
-    missing = sorted(scripts - recorded - set(GPU_ONLY))
+    missing = sorted(scripts - recorded)
     assert missing == [], "no test run recorded running these: write a test that runs them"
-    assert set(GPU_ONLY) <= scripts, "a GPU-only script was renamed: update GPU_ONLY"
 
 
 def test_job_scripts_have_scheduler_records(records):
