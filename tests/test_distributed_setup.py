@@ -161,8 +161,8 @@ def frees_before_destroying(script):
     return found
 
 
-# Scripts whose process group outlives no model: one collective, or DeepSpeed's engine.destroy().
-NO_MODEL_HOLDS_THE_GROUP = {"first-job/check_distributed.py", "deepspeed/deepspeed_train.py"}
+# A script whose process group outlives no model: one collective.
+NO_MODEL_HOLDS_THE_GROUP = {"first-job/check_distributed.py"}
 
 
 DESTROYING = [

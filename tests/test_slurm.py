@@ -332,13 +332,15 @@ JOB_AND_PORT = [(r"^Job \d+: ", "Job …: "), (r"rendezvous at (\S+):\d+$", r"re
 
 
 def in_rank_order(output):
-    """srun passes on the lines of the tasks as they come: the lines of ranks in rank order."""
+    """srun passes on the lines of the tasks as they come, so rank 0's summary may come before
+    another rank's line: the lines before the first rank's, the ranks' in rank order, the rest."""
     lines = output.splitlines(keepends=True)
     ranks = [i for i, line in enumerate(lines) if line.startswith("rank ")]
+    if not ranks:
+        return output
     by_rank = sorted((lines[i] for i in ranks), key=lambda line: int(line.split()[1].split("/")[0]))
-    for i, line in zip(ranks, by_rank, strict=True):
-        lines[i] = line
-    return "".join(lines)
+    rest = [line for i, line in enumerate(lines) if i not in ranks and i > ranks[0]]
+    return "".join(lines[: ranks[0]] + by_rank + rest)
 
 
 def commands(script):

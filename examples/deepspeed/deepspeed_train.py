@@ -21,6 +21,7 @@ at the end converts the shards into one plain float32 state dict, model_fp32.pt.
 
 import argparse
 import datetime
+import gc
 import hashlib
 import json
 import os
@@ -297,6 +298,9 @@ def main(argv=None):
         if rank == 0:
             export_fp32(torch, args)
     engine.destroy()
+    # They hold the process group (in reference cycles too): free it while Python still runs.
+    del engine, model
+    gc.collect()
     dist.destroy_process_group()
 
 
