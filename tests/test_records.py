@@ -117,7 +117,7 @@ def test_a_test_run_records_what_each_test_ran(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "-q",
          "-o", "addopts=", "test_inner.py"],
-        cwd=tmp_path, env=example_env(PYTORCH_ON_HPC_RECORDS_DIR=records),
+        cwd=tmp_path, env=example_env(PYTORCH_ON_HPC_RECORDS_DIR=records, PYTORCH_ON_HPC_RECORDS=1),
         capture_output=True, text=True, check=False, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
