@@ -11,7 +11,7 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT / "source" / "_ext"))  # benchmark_results, verification
+sys.path.insert(0, str(ROOT / "source" / "_ext"))  # the site's own extensions
 VERSIONS = tomllib.loads((ROOT / "versions.toml").read_text(encoding="utf-8"))
 
 project = "PyTorch on HPC"
@@ -29,6 +29,8 @@ extensions = [
     "sphinx_copybutton",
     "benchmark_results",  # the benchmark page's table and charts, from the committed CSVs
     "verification",  # stamps from tests/records/, a download link under every included script
+    "interface_i18n",  # the theme's and copybutton's strings in the page's language, accessibility
+    "search_terms",  # readers' words for each page (locale/<lang>/search-terms.toml), indexed
 ]
 # The repository whose examples/ folder the pages link to (verification.py).
 repository_url = os.environ.get(
@@ -55,7 +57,8 @@ gettext_uuid = False
 gettext_additional_targets = ["index"]
 translation_progress_classes = True
 
-# HTML: furo translates its own interface strings into all four languages.
+# HTML: furo, whose English interface strings (and those of source/_templates/page.html, a copy of
+# furo's with every string translatable) are translated in locale/<lang>/LC_MESSAGES/sphinx.po.
 html_theme = "furo"
 html_title = project
 html_show_sourcelink = False
@@ -71,7 +74,11 @@ html_sidebars = {
         "sidebar/scroll-end.html",
     ]
 }
-html_baseurl = os.environ.get("SITE_URL", "")
+# Where the site is published (https://.../, the folder that holds en/, zh_CN/, ...). With it,
+# every page gets a canonical link and absolute hreflang links (search engines need both);
+# without it (a local build), the links are relative. The language folder is added in _site_url.
+SITE_URL = os.environ.get("SITE_URL", "").rstrip("/")
+html_baseurl = ""
 
 # Copy buttons leave out prompts ($, (venv) $, [user@login ~]$, >>>) and output lines.
 # copybutton wraps this in ^(...)(.*), so the groups inside must not capture.
@@ -79,6 +86,9 @@ copybutton_prompt_text = r"(?:\(\S+\) )?(?:\$ |\[[^\]]+\][$#] )|>>> |\.\.\. "
 copybutton_prompt_is_regexp = True
 copybutton_only_copy_prompt_lines = True
 copybutton_remove_prompts = True
+
+# A click on the open tab must not close it and hide the job script.
+sphinx_tabs_disable_tab_closing = True
 
 # Chinese search: Sphinx 9.0.x writes `window.Stemmer = ChineseStemmer` into language_data.js,
 # a name it never defines, so search fails in the browser (sphinx-doc/sphinx#14229, fixed after
@@ -93,24 +103,31 @@ except ImportError:  # jieba is in requirements.txt; without it Sphinx falls bac
     pass
 
 
+def _site_url(app, config):
+    """The canonical address of a page is in its language's folder of SITE_URL."""
+    if SITE_URL:
+        config.html_baseurl = f"{SITE_URL}/{config.language}/"
+
+
 def _language_links(app, pagename, templatename, context, doctree):
-    """Give every page links to itself in each language, and hreflang alternates."""
+    """Give every page links to itself in each language, and hreflang alternates (English is
+    also the x-default). The switcher's script (language-switcher.html) keeps the section."""
     current = app.config.language
     up = "../" * (pagename.count("/") + 1)
+    base = f"{SITE_URL}/" if SITE_URL else up
     links = []
     for lang, name in LANGUAGES.items():
-        href = f"{up}{lang}/{pagename}.html"
-        if app.config.html_baseurl:
-            href = f"{app.config.html_baseurl.rstrip('/')}/{lang}/{pagename}.html"
+        href = f"{base}{lang}/{pagename}.html"
         links.append({"lang": lang, "name": name, "href": href, "current": lang == current})
     context["language_links"] = links
-    alternates = "".join(
-        f'<link rel="alternate" hreflang="{HREFLANG[link["lang"]]}" href="{link["href"]}" />\n'
-        for link in links
+    alternates = [(HREFLANG[link["lang"]], link["href"]) for link in links]
+    alternates.append(("x-default", links[0]["href"]))
+    context["metatags"] = context.get("metatags", "") + "".join(
+        f'<link rel="alternate" hreflang="{lang}" href="{href}" />\n' for lang, href in alternates
     )
-    context["metatags"] = context.get("metatags", "") + alternates
 
 
 def setup(app):
+    app.connect("config-inited", _site_url)
     app.connect("html-page-context", _language_links)
     return {"parallel_read_safe": True, "parallel_write_safe": True}

@@ -2,8 +2,9 @@
 # Install the system tools the tests use (Debian/Ubuntu, as root): gettext (msgfmt),
 # ShellCheck, Lmod (environment modules for the job scripts) and the site file that defines
 # `module` in batch jobs (/etc/profile.d/modules.sh), Node.js (search index and workflow
-# linting), g++ and cmake (Horovod, LibTorch, DeepSpeed's ops) and libaio (DeepSpeed's NVMe
-# offload). Does nothing when all are present. Without root it lists what is
+# linting, the browser tests' driver), g++ and cmake (Horovod, LibTorch, DeepSpeed's ops), libaio
+# (DeepSpeed's NVMe offload), Chromium (the browser tests, tests/node/browser.mjs) and hunspell
+# with its French dictionary (the French spell check). Does nothing when all are present. Without root it lists what is
 # missing; the tests that need it then skip, saying why. The Slurm and Grid Engine daemons
 # are installed by tests/slurm/cluster.sh and tests/gridengine/cell.sh when the tests start them.
 set -euo pipefail
@@ -16,6 +17,9 @@ command -v npm >/dev/null || need+=(npm)
 command -v g++ >/dev/null || need+=(g++)
 command -v cmake >/dev/null || need+=(cmake)
 [[ -f /usr/include/libaio.h ]] || need+=(libaio-dev)
+command -v chromium >/dev/null || need+=(chromium)
+command -v hunspell >/dev/null || need+=(hunspell)
+[[ -f /usr/share/hunspell/fr_FR.dic || -f /usr/share/hunspell/fr.dic ]] || need+=(hunspell-fr)
 site_modules=/etc/profile.d/modules.sh
 install_site_modules() {
     if [[ ! -f $site_modules && $(id -u) -eq 0 ]]; then

@@ -157,6 +157,8 @@ def test_translated_page_shows_no_english(site, lang, page):
         assert label in NEUTRAL_TAB_LABELS or label not in english.tabs, (
             f"English tab label {label!r}"
         )
+    # The theme's strings: every visible interface string is checked in the browser
+    # (test_browser_interface_is_in_the_page_language); here, the served HTML.
     assert html.placeholders and html.placeholders != english.placeholders, (
         "theme strings in English"
     )
@@ -239,3 +241,171 @@ def test_benchmark_page_renders_the_csv_files(site, lang):
     assert len(rows) == 1 + 4 + 2, table[0]
     assert ">188<" in table[0] and ">AMD EPYC" in table[0]
     assert text.count('<svg class="benchmark-chart"') == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The site in a real browser: Debian's Chromium, headless, driven by tests/node/browser.mjs
+# (playwright-core, axe-core) over the site served on 127.0.0.1, every page in every language.
+
+# The ten main topics, and the words a reader of each language types to find them (the English
+# term too, on translated pages). locale/<lang>/search-terms.toml indexes the words a page
+# does not use itself.
+TOPIC_SEARCHES = {
+    "getting-started/install": {"en": "install", "zh_CN": "安装", "ja": "インストール", "fr": "installation"},
+    "getting-started/first-job": {"en": "batch job", "zh_CN": "提交作业", "ja": "ジョブ投入", "fr": "soumettre un job"},
+    "performance/precision": {"en": "mixed precision", "zh_CN": "混合精度", "ja": "混合精度", "fr": "précision mixte"},
+    "distributed/ddp": {"en": "DDP", "zh_CN": "分布式", "ja": "分散", "fr": "entraînement distribué"},
+    "distributed/lightning": {"en": "Lightning", "zh_CN": "Lightning", "ja": "Lightning", "fr": "Lightning"},
+    "distributed/deepspeed": {"en": "ZeRO", "zh_CN": "DeepSpeed", "ja": "DeepSpeed", "fr": "DeepSpeed"},
+    "distributed/fsdp": {"en": "FSDP", "zh_CN": "全分片", "ja": "シャーディング", "fr": "partitionnement"},
+    "reliability/checkpointing": {"en": "checkpoint", "zh_CN": "检查点", "ja": "チェックポイント", "fr": "point de contrôle"},
+    "reliability/preemption": {"en": "preemption", "zh_CN": "抢占", "ja": "プリエンプション", "fr": "préemption"},
+    "reliability/troubleshooting": {"en": "out of memory", "zh_CN": "显存不足", "ja": "メモリ不足", "fr": "mémoire insuffisante"},
+}  # fmt: skip
+ENGLISH_TERMS = {"reliability/checkpointing": "checkpoint", "distributed/ddp": "DDP",
+                 "reliability/preemption": "preemption"}  # fmt: skip
+# Strings that are the same in every language: names.
+NAMES = {"PyTorch on HPC", "Sphinx", "Furo", *("English", "简体中文", "日本語", "Français")}
+
+
+def searches(lang):
+    wanted = [(words[lang], page) for page, words in TOPIC_SEARCHES.items()]
+    if lang != "en":
+        wanted += [(term, page) for page, term in ENGLISH_TERMS.items()]
+    return wanted
+
+
+@pytest.fixture(scope="module")
+def browser(site):
+    """What Chromium saw, per language: the four languages run side by side."""
+    if shutil.which("chromium") is None:
+        pytest.skip("chromium is not installed: run `make system-packages` as root")
+    node_modules = TESTS / "node" / "node_modules"
+    if not (node_modules / "playwright-core").is_dir() or not (node_modules / "axe-core").is_dir():
+        pytest.skip("playwright-core and axe-core are not installed: run `make node-packages`")
+    out, _ = site
+    server = subprocess.Popen(
+        [sys.executable, "-u", "-m", "http.server", "0", "--bind", "127.0.0.1", "--directory", out],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    try:
+        port = re.search(r"port (\d+)", server.stdout.readline())[1]
+        runs = {}
+        for lang in LANGUAGES:
+            config = {
+                "base": f"http://127.0.0.1:{port}", "lang": lang, "pages": PAGES,
+                "searches": [query for query, _ in searches(lang)],
+                "copyPage": "getting-started/install", "tabsPage": "getting-started/first-job",
+                "sectionLink": ["distributed/ddp", "two-timeouts-start-up-and-collectives"],
+                "redirects": lang == "en",
+            }  # fmt: skip
+            runs[lang] = subprocess.Popen(
+                ["node", TESTS / "node" / "browser.mjs", json.dumps(config)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            )  # fmt: skip
+        seen = {}
+        for lang, run in runs.items():
+            stdout, stderr = run.communicate(timeout=600)
+            assert run.returncode == 0, stderr[-3000:]
+            seen[lang] = json.loads(stdout)
+        return seen
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def _page(seen, page):
+    return next(p for p in seen["pages"] if p["page"] == page)
+
+
+def _same_in_catalogs(lang):
+    """Strings the translators kept as they are (names such as Horovod, C++)."""
+    import polib
+
+    same = set()
+    for path in (ROOT / "locale" / lang / "LC_MESSAGES").rglob("*.po"):
+        same |= {e.msgid for e in polib.pofile(str(path)) if e.msgstr == e.msgid}
+    return same
+
+
+@pytest.mark.parametrize("lang", LANGUAGES)
+@pytest.mark.parametrize("page", PAGES)
+def test_browser_page_has_switcher_no_errors_and_fits_a_phone(browser, lang, page):
+    seen = _page(browser[lang], page)
+    assert seen["switcher"] == ["en", "zh-CN", "ja", "fr"]
+    assert seen["errors"] == [], "JavaScript errors"
+    assert seen["overflow"]["scroll"] <= 0, f"wider than a 390 px phone: {seen['overflow']}"
+
+
+@pytest.mark.parametrize("lang", LANGUAGES)
+@pytest.mark.parametrize("page", PAGES)
+def test_browser_axe_finds_nothing_critical_or_serious(browser, lang, page):
+    assert _page(browser[lang], page)["axe"] == []
+
+
+@pytest.mark.parametrize("lang", TRANSLATIONS)
+@pytest.mark.parametrize("page", PAGES)
+def test_browser_interface_is_in_the_page_language(browser, lang, page):
+    """Every visible text outside the page body, every accessible name and tooltip, at desktop
+    and phone width: none may be the English page's string, unless it is a name."""
+    english = _page(browser["en"], page)
+    english = set(english["strings"]) | set(english["phoneStrings"])
+    seen = _page(browser[lang], page)
+    allowed = NAMES | _same_in_catalogs(lang)
+    left = sorted((set(seen["strings"]) | set(seen["phoneStrings"])) & english - allowed)
+    assert left == [], f"English on the {lang} page: {left}"
+
+
+@pytest.mark.parametrize("lang", LANGUAGES)
+def test_browser_search_finds_each_topic_by_the_readers_words(browser, lang):
+    results = {s["query"]: s for s in browser[lang]["searches"]}
+    missed = [(q, page) for q, page in searches(lang) if page not in results[q]["pages"]]
+    assert missed == [], f"not found: {missed}"
+    english = {s["summary"] for s in browser["en"]["searches"]}
+    for result in results.values():
+        assert result["summary"], "the search summary is empty"
+        if lang != "en":
+            assert result["summary"] not in english, result["summary"]
+
+
+@pytest.mark.parametrize("lang", LANGUAGES)
+def test_browser_copy_button_copies_commands_without_prompts(browser, lang):
+    copy = browser[lang]["copy"]
+    commands = [
+        re.sub(r"^\[[^\]]+\][$#] |^\$ ", "", line)
+        for line in copy["shown"].splitlines()
+        if re.match(r"^\[[^\]]+\][$#] |^\$ ", line)
+    ]
+    assert commands and copy["copied"].splitlines() == commands
+    english = browser["en"]["copy"]
+    if lang != "en":
+        assert copy["tooltip"] != english["tooltip"] and copy["afterClick"] != english["afterClick"]
+
+
+@pytest.mark.parametrize("lang", LANGUAGES)
+def test_browser_open_tab_stays_open_and_others_switch(browser, lang):
+    tabs = browser[lang]["tabs"]
+    assert tabs["before"]["shown"][0] and tabs["againFirst"] == tabs["before"], (
+        "a click on the open tab hid its panel"
+    )
+    assert tabs["second"]["shown"] == [False, True] + [False] * (len(tabs["second"]["shown"]) - 2)
+
+
+@pytest.mark.parametrize("lang", LANGUAGES)
+def test_browser_switcher_keeps_the_section(browser, lang):
+    other = "fr" if lang == "en" else "en"
+    assert browser[lang]["section"] == (
+        f"/{other}/distributed/ddp.html#two-timeouts-start-up-and-collectives"
+    )
+
+
+def test_browser_root_page_follows_the_browser_language(browser):
+    assert browser["en"]["redirects"] == {
+        "zh-CN": "/zh_CN/index.html", "ja-JP": "/ja/index.html", "fr-FR": "/fr/index.html",
+        "en-US": "/en/index.html", "de-DE": "/en/index.html",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("lang", LANGUAGES)
+def test_browser_nothing_leaves_the_machine(browser, lang):
+    assert browser[lang]["outside"] == [], "requests to other hosts (the site must work offline)"

@@ -90,14 +90,22 @@ def test_each_language_keeps_a_glossary(lang):
 
 @pytest.mark.parametrize("lang", TRANSLATIONS)
 def test_interface_catalog_has_every_string_of_the_extensions(lang):
-    """The site's extensions translate their strings with _() through sphinx.po; each string
-    of theirs must be in it (no more, no less), with its placeholders intact."""
+    """The site's interface strings (extensions, templates, the theme's templates) are
+    translated through sphinx.po; each must be in it (no more, no less), translated, with its
+    placeholders intact."""
     tool = TESTS / "tools" / "interface_strings.py"
     spec = importlib.util.spec_from_file_location("interface_strings", tool)
     strings = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(strings)
     catalog = polib.pofile(str(LOCALE / lang / "LC_MESSAGES" / "sphinx.po"))
     assert sorted(e.msgid for e in catalog) == strings.msgids(), "update sphinx.po"
+    placeholder = re.compile(r"\{\w+\}|%\(\w+\)s")
     for entry in catalog:
-        wanted, got = (sorted(re.findall(r"\{\w+\}", t)) for t in (entry.msgid, entry.msgstr))
+        if entry.msgid_plural:  # a form may leave out the count ("une page"), never add one
+            wanted = set(placeholder.findall(entry.msgid_plural))
+            for text in entry.msgstr_plural.values():
+                assert text and set(placeholder.findall(text)) <= wanted, entry.msgid
+            continue
+        assert entry.msgstr, f"untranslated: {entry.msgid}"
+        wanted, got = (sorted(placeholder.findall(t)) for t in (entry.msgid, entry.msgstr))
         assert wanted == got, entry.msgid

@@ -17,17 +17,23 @@ time, so the page can never disagree with the committed output:
     :::
 
 Labels (column headings, modes) are created with a source line, so Sphinx extracts them into
-the page's catalog and translates them; figures and device names are data and stay as they are.
+the page's catalog and translates them. Figures are data, written in the page's language's
+number format ("5 181" in French); device names are data too, except the CPU's core count
+("AMD EPYC (2 cores)"), whose words are an interface string of sphinx.po. The chart is an image
+with a translated text alternative, drawn wide enough for its text to stay legible on a phone
+(it scrolls sideways there, like the table).
 """
 
 import csv
 import html
 import math
+import re
 import statistics
 from pathlib import Path
 
 from docutils import nodes
 from docutils.parsers.rst import directives
+from sphinx.locale import _
 from sphinx.util.docutils import SphinxDirective
 
 MODELS = [
@@ -39,8 +45,25 @@ COLOURS = {"double": "#4e79a7", "float": "#f28e2b", "half": "#e15759", "bfloat16
 MODES = {"train": "training", "inference": "inference"}
 
 
+# Digit grouping per language: French groups with a narrow no-break space, as its typography does.
+GROUPING = {"fr": "\u202f"}
+
+
 class BenchmarkError(Exception):
     pass
+
+
+def number(value, language):
+    """A whole number with the language's digit grouping: 5,181 or 5 181."""
+    return f"{value:,.0f}".replace(",", GROUPING.get(language, ","))
+
+
+def device_label(name):
+    """The device name of a CSV row, with the words around a CPU's core count translated."""
+    match = re.fullmatch(r"(.*) \((\d+) cores\)", name)
+    if match:
+        return _("{cpu} ({cores} cores)").format(cpu=match.group(1), cores=match.group(2))
+    return name
 
 
 def read_rows(path):
@@ -128,15 +151,16 @@ class BenchmarkTable(BenchmarkDirective):
         head, body = nodes.thead(), nodes.tbody()
         group += [head, body]
         head += nodes.row("", *(nodes.entry("", cell) for cell in headings))
+        language = self.config.language
         for device, torch, origin, mode, figures in summary:
             cells = [
-                nodes.paragraph("", device),
+                nodes.paragraph("", device_label(device)),
                 nodes.paragraph("", torch),
                 self.label("source page" if origin == "reference" else "measured"),
                 self.label(MODES[mode]),
             ]
             cells += [
-                nodes.paragraph("", f"{figures[p]:,.0f}" if p in figures else "–")
+                nodes.paragraph("", number(figures[p], language) if p in figures else "–")
                 for p in PRECISIONS
             ]
             body += nodes.row("", *(nodes.entry("", cell) for cell in cells))
@@ -147,15 +171,29 @@ class BenchmarkChart(BenchmarkDirective):
     def run(self):
         mode = self.options.get("mode", "train")
         summary = [row for row in self.load() if row[3] == mode]
-        return [nodes.raw("", svg_chart(summary), format="html")]
+        title = {
+            "train": _("Training: milliseconds per batch, mean of the nine models, log scale"),
+            "inference": _("Inference: milliseconds per batch, mean of the nine models, log scale"),
+        }[mode]
+        chart = svg_chart(summary, self.config.language, title)
+        # A region that scrolls sideways on a phone: keyboard users reach it too (tabindex).
+        return [
+            nodes.raw(
+                "",
+                f'<div class="benchmark-chart-scroll" tabindex="0" role="region" '
+                f'aria-label="{html.escape(title)}">{chart}</div>',
+                format="html",
+            )
+        ]
 
 
-def svg_chart(summary):
-    """Horizontal bars, one group per device, one bar per precision, on a log scale."""
+def svg_chart(summary, language="en", title=""):
+    """Horizontal bars, one group per device, one bar per precision, on a log scale whose
+    first decade lies below the smallest value (so no bar is drawn zero wide)."""
     values = [v for *_, figures in summary for v in figures.values()]
     if not values:
         return ""
-    low = 10 ** math.floor(math.log10(min(values)))
+    low = 10 ** (math.ceil(math.log10(min(values))) - 1)
     high = 10 ** math.ceil(math.log10(max(values)))
     label_w, plot_w, bar_h, gap, top = 250, 420, 11, 14, 34
     width = label_w + plot_w + 70
@@ -169,7 +207,7 @@ def svg_chart(summary):
         group_h = bar_h * len(PRECISIONS)
         parts.append(
             f'<text x="{label_w - 8}" y="{y + group_h / 2 - 2}" text-anchor="end">'
-            f"{html.escape(device)}</text>"
+            f"{html.escape(device_label(device))}</text>"
             f'<text x="{label_w - 8}" y="{y + group_h / 2 + 12}" text-anchor="end" '
             f'class="minor">PyTorch {html.escape(torch)}</text>'
         )
@@ -180,7 +218,7 @@ def svg_chart(summary):
                     f'<rect x="{label_w}" y="{bar_y}" width="{x(value) - label_w:.1f}" '
                     f'height="{bar_h - 2}" fill="{COLOURS[precision]}"/>'
                     f'<text x="{x(value) + 4:.1f}" y="{bar_y + bar_h - 3}" class="minor">'
-                    f"{value:,.0f}</text>"
+                    f"{number(value, language)}</text>"
                 )
         y += group_h + gap
     height = y + 14
@@ -189,7 +227,7 @@ def svg_chart(summary):
         parts.append(
             f'<line x1="{x(decade):.1f}" x2="{x(decade):.1f}" y1="{top - 6}" y2="{y - gap + 4}" '
             f'class="grid"/><text x="{x(decade):.1f}" y="{y + 6}" text-anchor="middle" '
-            f'class="minor">{decade:,.0f}</text>'
+            f'class="minor">{number(decade, language)}</text>'
         )
         decade *= 10
     for index, precision in enumerate(PRECISIONS):
@@ -200,8 +238,9 @@ def svg_chart(summary):
         )
     return (
         f'<svg class="benchmark-chart" xmlns="http://www.w3.org/2000/svg" '
-        f'viewBox="0 0 {width} {height}" role="img">'
-        "<style>text{font:12px sans-serif;fill:currentColor}.minor{font-size:10px}"
+        f'viewBox="0 0 {width} {height}" role="img" aria-label="{html.escape(title)}">'
+        f"<title>{html.escape(title)}</title>"
+        "<style>text{font:13px sans-serif;fill:currentColor}.minor{font-size:11px}"
         ".grid{stroke:currentColor;stroke-opacity:.2}</style>"
         f"{''.join(parts)}</svg>"
     )

@@ -1,0 +1,189 @@
+// Drive Debian's Chromium (headless, through playwright-core) over one language of the built
+// site, served on 127.0.0.1, as a reader would use it; print what it saw as JSON for
+// tests/test_site.py to judge. One run per language:
+//     node browser.mjs '{"base": "http://127.0.0.1:8000", "lang": "fr", "pages": [...], ...}'
+// Per page, at 1280 px and at 390 px (a phone): the switcher's links, axe-core's critical and
+// serious violations, horizontal overflow, and every visible interface string (text outside
+// the page body, accessible names, tooltips). Per language: searches, the copy button, the
+// tabs, the switcher keeping the section, and (with "redirects") the root page's choice of
+// language by the browser's. Every request that leaves 127.0.0.1 is reported.
+import { createRequire } from "node:module";
+import { chromium } from "playwright-core";
+
+const require = createRequire(import.meta.url);
+const AXE = require.resolve("axe-core/axe.min.js");
+const config = JSON.parse(process.argv[2]);
+const { base, lang } = config;
+
+const browser = await chromium.launch({
+  executablePath: config.chromium || "/usr/bin/chromium",
+  headless: true,
+  args: [
+    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+  ],
+});
+const outside = [];
+async function newContext(options = {}) {
+  const context = await browser.newContext({ viewport: { width: 1280, height: 900 }, ...options });
+  context.on("request", (request) => {
+    const url = new URL(request.url());
+    if (!["data:", "blob:"].includes(url.protocol) && url.hostname !== "127.0.0.1") {
+      outside.push(request.url());
+    }
+  });
+  return context;
+}
+
+// Text a reader sees or hears outside the page body: visible text nodes, accessible names
+// (aria-label, title, placeholder) and the copy buttons' tooltips.
+function interfaceStrings() {
+  const found = new Set();
+  const article = document.querySelector("article[role=main]");
+  const visible = (el) => el && el.checkVisibility({ visibilityProperty: true, opacityProperty: false });
+  // Visible text nodes; a name split by <wbr> (DistributedDataParallel) counts as one.
+  const walker = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+  let last = null;
+  for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+    const el = node.parentElement;
+    const text = node.textContent.replace(/\s+/g, " ").trim();
+    if (!text || (article && article.contains(node))) continue;
+    if (el.closest("script, style, noscript, code, kbd, samp") || !visible(el)) continue;
+    if (last && node.previousSibling && node.previousSibling.nodeName === "WBR") {
+      found.delete(last);
+      last += text;
+    } else {
+      last = text;
+    }
+    found.add(last);
+  }
+  for (const el of document.querySelectorAll("[aria-label], [title], [placeholder], [data-tooltip]")) {
+    if (article && article.contains(el) && !el.matches("[data-tooltip]")) continue;
+    for (const name of ["aria-label", "title", "placeholder", "data-tooltip"]) {
+      const value = el.getAttribute(name);
+      if (value && value.trim()) found.add(value.trim());
+    }
+  }
+  return [...found];
+}
+
+async function checkPage(context, name) {
+  const page = await context.newPage();
+  const errors = [];
+  page.on("pageerror", (error) => errors.push(String(error)));
+  await page.goto(`${base}/${lang}/${name}.html`, { waitUntil: "load" });
+  const result = { page: name, errors };
+  result.switcher = await page.$$eval(".language-switcher a", (links) =>
+    links.filter((a) => a.checkVisibility()).map((a) => a.getAttribute("hreflang")));
+  result.strings = await page.evaluate(interfaceStrings);
+  await page.addScriptTag({ path: AXE });
+  result.axe = await page.evaluate(async () => {
+    const report = await window.axe.run(document, { resultTypes: ["violations"] });
+    return report.violations
+      .filter((v) => ["critical", "serious"].includes(v.impact))
+      .map((v) => ({ id: v.id, impact: v.impact, nodes: v.nodes.slice(0, 3).map((n) => n.target.join(" ")) }));
+  });
+  await page.setViewportSize({ width: 390, height: 844 });
+  await page.waitForTimeout(50);
+  result.overflow = await page.evaluate(() => {
+    const root = document.documentElement;
+    const wide = [...document.querySelectorAll("body *")]
+      .filter((el) => el.getBoundingClientRect().right > root.clientWidth + 1 && el.checkVisibility())
+      .filter((el) => !el.closest(".table-wrapper, .benchmark-chart-scroll, .highlight, .sidebar-drawer, .toc-drawer"))
+      .slice(0, 3).map((el) => `${el.tagName.toLowerCase()}.${el.className}`);
+    return { scroll: root.scrollWidth - root.clientWidth, wide };
+  });
+  result.phoneStrings = await page.evaluate(interfaceStrings);
+  await page.close();
+  return result;
+}
+
+async function search(context, query) {
+  const page = await context.newPage();
+  await page.goto(`${base}/${lang}/search.html?q=${encodeURIComponent(query)}`, { waitUntil: "load" });
+  await page.waitForFunction(() => {
+    const summary = document.querySelector("#search-results .search-summary");
+    return summary && summary.innerText.trim() !== "";
+  }, null, { timeout: 20000 });
+  const found = await page.evaluate(() => ({
+    summary: document.querySelector("#search-results .search-summary").innerText.trim(),
+    pages: [...document.querySelectorAll("#search-results ul.search li a")].map((a) =>
+      new URL(a.href).pathname.replace(/^.*?\/(?:en|zh_CN|ja|fr)\//, "").replace(/\.html$/, "")),
+  }));
+  await page.close();
+  return { query, ...found };
+}
+
+async function copyButton(context) {
+  await context.grantPermissions(["clipboard-read", "clipboard-write"], { origin: base });
+  const page = await context.newPage();
+  await page.goto(`${base}/${lang}/${config.copyPage}.html`, { waitUntil: "load" });
+  const block = page.locator("article div.highlight-console").first();
+  const shown = await block.locator("pre").innerText();
+  await block.hover();
+  const button = block.locator("button.copybtn");
+  const tooltip = await button.getAttribute("data-tooltip");
+  await button.click();
+  await page.waitForTimeout(100);
+  const afterClick = await button.getAttribute("data-tooltip");
+  const copied = await page.evaluate(() => navigator.clipboard.readText());
+  await page.close();
+  return { shown, copied, tooltip, afterClick };
+}
+
+async function tabs(context) {
+  const page = await context.newPage();
+  await page.goto(`${base}/${lang}/${config.tabsPage}.html`, { waitUntil: "load" });
+  const group = page.locator("article .sphinx-tabs").first();
+  const buttons = group.locator("[role=tab]");
+  const panels = group.locator("[role=tabpanel]");
+  const state = async () => ({
+    selected: await buttons.evaluateAll((b) => b.map((x) => x.getAttribute("aria-selected") === "true")),
+    shown: await panels.evaluateAll((p) => p.map((x) => !x.hidden && x.checkVisibility())),
+  });
+  const before = await state();
+  await buttons.nth(0).click();
+  const againFirst = await state();
+  await buttons.nth(1).click();
+  const second = await state();
+  await page.close();
+  return { before, againFirst, second };
+}
+
+async function switcherKeepsSection(context) {
+  const page = await context.newPage();
+  const [name, anchor] = config.sectionLink;
+  await page.goto(`${base}/${lang}/${name}.html#${anchor}`, { waitUntil: "load" });
+  const other = lang === "en" ? "fr" : "en";
+  await page.locator(`.language-switcher a[hreflang=${other}]`).click();
+  await page.waitForLoadState("load");
+  const url = page.url();
+  await page.close();
+  return url.slice(base.length);
+}
+
+async function redirects() {
+  const landed = {};
+  for (const locale of ["zh-CN", "ja-JP", "fr-FR", "en-US", "de-DE"]) {
+    const context = await newContext({ locale });
+    const page = await context.newPage();
+    await page.goto(`${base}/index.html`);
+    await page.waitForURL(/\/(en|zh_CN|ja|fr)\/index\.html$/, { timeout: 10000 });
+    landed[locale] = new URL(page.url()).pathname;
+    await context.close();
+  }
+  return landed;
+}
+
+const result = { lang, pages: [], searches: [] };
+const context = await newContext();
+for (const name of config.pages) result.pages.push(await checkPage(context, name));
+for (const query of config.searches) result.searches.push(await search(context, query));
+result.copy = await copyButton(context);
+result.tabs = await tabs(context);
+result.section = await switcherKeepsSection(context);
+await context.close();
+if (config.redirects) result.redirects = await redirects();
+result.outside = [...new Set(outside)];
+await browser.close();
+console.log(JSON.stringify(result));
