@@ -8,6 +8,7 @@ import sys
 import time
 from html.parser import HTMLParser
 
+import polib
 import pytest
 
 from conftest import LANGUAGES, ROOT, SOURCE, TESTS, TRANSLATIONS, require_command
@@ -250,18 +251,23 @@ def test_benchmark_page_renders_the_csv_files(site, lang):
 # The ten main topics, and the words a reader of each language types to find them (the English
 # term too, on translated pages). locale/<lang>/search-terms.toml indexes the words a page
 # does not use itself.
-TOPIC_SEARCHES = {
-    "getting-started/install": {"en": "install", "zh_CN": "安装", "ja": "インストール", "fr": "installation"},
-    "getting-started/first-job": {"en": "batch job", "zh_CN": "提交作业", "ja": "ジョブ投入", "fr": "soumettre un job"},
-    "performance/precision": {"en": "mixed precision", "zh_CN": "混合精度", "ja": "混合精度", "fr": "précision mixte"},
-    "distributed/ddp": {"en": "DDP", "zh_CN": "分布式", "ja": "分散", "fr": "entraînement distribué"},
-    "distributed/lightning": {"en": "Lightning", "zh_CN": "Lightning", "ja": "Lightning", "fr": "Lightning"},
-    "distributed/deepspeed": {"en": "ZeRO", "zh_CN": "DeepSpeed", "ja": "DeepSpeed", "fr": "DeepSpeed"},
-    "distributed/fsdp": {"en": "FSDP", "zh_CN": "全分片", "ja": "シャーディング", "fr": "partitionnement"},
-    "reliability/checkpointing": {"en": "checkpoint", "zh_CN": "检查点", "ja": "チェックポイント", "fr": "point de contrôle"},
-    "reliability/preemption": {"en": "preemption", "zh_CN": "抢占", "ja": "プリエンプション", "fr": "préemption"},
-    "reliability/troubleshooting": {"en": "out of memory", "zh_CN": "显存不足", "ja": "メモリ不足", "fr": "mémoire insuffisante"},
-}  # fmt: skip
+TOPIC_SEARCHES = {  # page: (en, zh_CN, ja, fr)
+    "getting-started/install": ("install", "安装", "インストール", "installation"),
+    "getting-started/first-job": ("batch job", "提交作业", "ジョブ投入", "soumettre un job"),
+    "performance/precision": ("mixed precision", "混合精度", "混合精度", "précision mixte"),
+    "distributed/ddp": ("DDP", "分布式", "分散", "entraînement distribué"),
+    "distributed/lightning": ("Lightning", "Lightning", "Lightning", "Lightning"),
+    "distributed/deepspeed": ("ZeRO", "DeepSpeed", "DeepSpeed", "DeepSpeed"),
+    "distributed/fsdp": ("FSDP", "全分片", "シャーディング", "partitionnement"),
+    "reliability/checkpointing": ("checkpoint", "检查点", "チェックポイント", "point de contrôle"),
+    "reliability/preemption": ("preemption", "抢占", "プリエンプション", "préemption"),
+    "reliability/troubleshooting": (
+        "out of memory",
+        "显存不足",
+        "メモリ不足",
+        "mémoire insuffisante",
+    ),
+}
 ENGLISH_TERMS = {"reliability/checkpointing": "checkpoint", "distributed/ddp": "DDP",
                  "reliability/preemption": "preemption"}  # fmt: skip
 # Strings that are the same in every language: names.
@@ -269,7 +275,8 @@ NAMES = {"PyTorch on HPC", "Sphinx", "Furo", *("English", "简体中文", "日�
 
 
 def searches(lang):
-    wanted = [(words[lang], page) for page, words in TOPIC_SEARCHES.items()]
+    column = LANGUAGES.index(lang)
+    wanted = [(words[column], page) for page, words in TOPIC_SEARCHES.items()]
     if lang != "en":
         wanted += [(term, page) for page, term in ENGLISH_TERMS.items()]
     return wanted
@@ -312,6 +319,7 @@ def browser(site):
     finally:
         server.terminate()
         server.wait()
+        server.stdout.close()
 
 
 def _page(seen, page):
@@ -320,8 +328,6 @@ def _page(seen, page):
 
 def _same_in_catalogs(lang):
     """Strings the translators kept as they are (names such as Horovod, C++)."""
-    import polib
-
     same = set()
     for path in (ROOT / "locale" / lang / "LC_MESSAGES").rglob("*.po"):
         same |= {e.msgid for e in polib.pofile(str(path)) if e.msgstr == e.msgid}

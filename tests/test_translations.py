@@ -109,3 +109,84 @@ def test_interface_catalog_has_every_string_of_the_extensions(lang):
         assert entry.msgstr, f"untranslated: {entry.msgid}"
         wanted, got = (sorted(placeholder.findall(t)) for t in (entry.msgid, entry.msgstr))
         assert wanted == got, entry.msgid
+
+
+def preferred_forms(lang):
+    """The "not" column of the Preferred forms table of locale/<lang>/GLOSSARY.md."""
+    text = (LOCALE / lang / "GLOSSARY.md").read_text(encoding="utf-8")
+    section = re.search(r"^## Preferred forms\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert section, f"locale/{lang}/GLOSSARY.md has no '## Preferred forms' section"
+    rows = re.findall(r"^\|(.*)\|\s*`([^`]+)`\s*\|\s*$", section[1], re.M)
+    return [(preferred.strip(), wrong) for preferred, wrong in rows]
+
+
+def variants_in(paths, forms):
+    """(catalog, variant, preferred form) for each listed variant found in a translation."""
+    found = []
+    for path in paths:
+        for entry in polib.pofile(str(path)):
+            texts = list(entry.msgstr_plural.values()) if entry.msgid_plural else [entry.msgstr]
+            for text in texts:
+                prose = re.sub(r"`[^`]*`", "", text)
+                found += [(path, wrong, preferred) for preferred, wrong in forms if wrong in prose]
+    return found
+
+
+@pytest.mark.parametrize("lang", TRANSLATIONS)
+def test_translations_use_the_glossary_s_preferred_forms(lang):
+    """Spellings the glossary settled (ja ほか, not 他の; zh_CN 时间上限, not 时间限制): a variant
+    it lists as not preferred fails wherever it appears in a translation (code spans aside)."""
+    forms = preferred_forms(lang)
+    if lang in ("ja", "zh_CN"):
+        assert len(forms) >= 8, "list the spelling variants the translation settled"
+    found = variants_in((LOCALE / lang / "LC_MESSAGES").rglob("*.po"), forms)
+    assert found == [], "use the glossary's preferred form: " + "; ".join(
+        f"{rel(path)}: {wrong!r} -> {preferred!r}" for path, wrong, preferred in found[:20]
+    )
+
+
+def test_preferred_forms_check_catches_a_variant(tmp_path):
+    """A catalog that writes a listed variant is caught; the same word in a code span is not."""
+    catalog = tmp_path / "page.po"
+    catalog.write_text(
+        'msgid ""\nmsgstr "Content-Type: text/plain; charset=UTF-8\\n"\n\n'
+        'msgid "a"\nmsgstr "他のジョブ"\n\nmsgid "b"\nmsgstr "`他の`"\n',
+        encoding="utf-8",
+    )
+    found = variants_in([catalog], preferred_forms("ja"))
+    assert [(wrong, preferred) for _, wrong, preferred in found] == [("他の", "ほかの")]
+
+
+def require_french_dictionary():
+    require_command("hunspell", "run `make system-packages` as root (apt-get install hunspell)")
+    if not any(Path("/usr/share/hunspell", name).is_file() for name in ("fr_FR.dic", "fr.dic")):
+        pytest.skip("no French dictionary: run `make system-packages` as root (hunspell-fr)")
+
+
+def test_french_passes_the_spell_check():
+    """pospell (hunspell's French dictionary) on every French catalog: a misspelling fails;
+    a legitimate word hunspell does not know goes into locale/fr/wordlist.txt."""
+    require_french_dictionary()
+    command = [
+        Path(sys.executable).with_name("pospell"), "-l", "fr_FR",
+        "-p", LOCALE / "fr" / "wordlist.txt", "--glob", "locale/fr/LC_MESSAGES/**/*.po",
+    ]  # fmt: skip
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0 and not proc.stdout.strip(), (
+        "misspelt (fix it, or add a real word to locale/fr/wordlist.txt):\n" + proc.stdout[-3000:]
+    )
+
+
+def test_french_spell_check_catches_a_misspelling(tmp_path):
+    require_french_dictionary()
+    (tmp_path / "page.po").write_text(
+        'msgid ""\nmsgstr "Content-Type: text/plain; charset=UTF-8\\n"\n\n'
+        'msgid "The job starts."\nmsgstr "Le travail démarre et l\'entraînment commence."\n',
+        encoding="utf-8",
+    )
+    proc = subprocess.run(
+        [Path(sys.executable).with_name("pospell"), "-l", "fr_FR",
+         "-p", LOCALE / "fr" / "wordlist.txt", "--glob", "*.po"],
+        cwd=tmp_path, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "entraînment" in proc.stdout, proc.stdout + proc.stderr

@@ -203,7 +203,7 @@ def svg_chart(summary, language="en", title=""):
 
     parts = []
     y = top
-    for device, torch, _, _, figures in summary:
+    for device, torch, _origin, _mode, figures in summary:
         group_h = bar_h * len(PRECISIONS)
         parts.append(
             f'<text x="{label_w - 8}" y="{y + group_h / 2 - 2}" text-anchor="end">'

@@ -74,7 +74,8 @@ def _accessible_html(app, pagename, templatename, context, doctree):
     body = context.get("body")
     if body:
         body = body.replace("<pre>", '<pre tabindex="0">').replace(caption, level)
-        context["body"] = body.replace('<div class="table-wrapper', '<div tabindex="0" class="table-wrapper')
+        wrapper = '<div class="table-wrapper'
+        context["body"] = body.replace(wrapper, '<div tabindex="0" class="table-wrapper')
 
 
 def _patch_static(app, exception):

@@ -8,12 +8,16 @@ Their translations live in locale/<lang>/LC_MESSAGES/sphinx.po, the catalog that
 for interface strings before its own. tests/test_translations.py checks it.
 
 python tests/tools/interface_strings.py            # prints the msgids
-python tests/tools/interface_strings.py --update   # adds new strings to each sphinx.po, drops old ones
+python tests/tools/interface_strings.py --update   # adds new strings to sphinx.po, drops old ones
 """
 
 import ast
 import sys
 from pathlib import Path
+
+import furo
+import polib
+from jinja2.ext import babel_extract
 
 ROOT = Path(__file__).resolve().parents[2]
 EXT = ROOT / "source" / "_ext"
@@ -35,8 +39,6 @@ def _from_python(folder):
 
 
 def _from_templates(folder, skip=()):
-    from jinja2.ext import babel_extract
-
     for path in sorted(folder.rglob("*.html")):
         if path.relative_to(folder).as_posix() in skip:
             continue
@@ -51,8 +53,6 @@ def _from_templates(folder, skip=()):
 
 
 def theme_folder():
-    import furo
-
     return Path(furo.__file__).parent / "theme" / "furo"
 
 
@@ -74,8 +74,6 @@ def msgids():
 
 
 def update(languages):
-    import polib
-
     wanted = entries()
     for lang in languages:
         path = LOCALE / lang / "LC_MESSAGES" / "sphinx.po"
