@@ -1,10 +1,11 @@
 """Words readers type into the search box, indexed on the pages that answer them.
 
-Readers search with the words they know: the English term in a translated site ("checkpoint",
-"DDP"), or another common word for a concept than the one the page uses ("point de
-contrôle" for « point de reprise », 分布式 for 分布式数据并行).
-locale/<lang>/search-terms.toml lists them per page; each becomes an index entry of that page in that language only, which Sphinx's search matches
-(as a phrase: the query must be at least half of the entry) and the general index lists.
+Readers search with the words they know: the English term in a translated site
+("checkpoint", "DDP"), or another common word for a concept than the one the page uses
+("point de contrôle" for « point de reprise »; 分布式 for 分布式数据并行).
+locale/<lang>/search-terms.toml lists them per page; each becomes an index entry of that
+page in that language only, which Sphinx's search matches (as a phrase: the query must be
+at least half of the entry) and the general index lists.
 """
 
 import tomllib
