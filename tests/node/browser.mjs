@@ -67,6 +67,26 @@ function interfaceStrings() {
   return [...found];
 }
 
+// Words drawn across two lines in headings and the sidebars: a name (DistributedDataParallel)
+// may wrap only where the site put <wbr>, a katakana word (インストール) not at all.
+function brokenWords() {
+  const broken = [];
+  for (const el of document.querySelectorAll(".sidebar-tree a, .toc-tree a, article h1, article h2")) {
+    if (!el.checkVisibility()) continue;
+    const walker = document.createTreeWalker(el, NodeFilter.SHOW_TEXT);
+    for (let node = walker.nextNode(); node; node = walker.nextNode()) {
+      for (const match of node.textContent.matchAll(/[A-Za-z]{4,}|[\u30A1-\u30FC]{3,}/g)) {
+        const range = document.createRange();
+        range.setStart(node, match.index);
+        range.setEnd(node, match.index + match[0].length);
+        const lines = new Set([...range.getClientRects()].map((r) => Math.round(r.top)));
+        if (lines.size > 1) broken.push(match[0]);
+      }
+    }
+  }
+  return broken;
+}
+
 async function checkPage(context, name) {
   const page = await context.newPage();
   const errors = [];
@@ -76,6 +96,7 @@ async function checkPage(context, name) {
   result.switcher = await page.$$eval(".language-switcher a", (links) =>
     links.filter((a) => a.checkVisibility()).map((a) => a.getAttribute("hreflang")));
   result.strings = await page.evaluate(interfaceStrings);
+  result.broken = await page.evaluate(brokenWords);
   await page.addScriptTag({ path: AXE });
   result.axe = await page.evaluate(async () => {
     const report = await window.axe.run(document, { resultTypes: ["violations"] });
@@ -94,6 +115,7 @@ async function checkPage(context, name) {
     return { scroll: root.scrollWidth - root.clientWidth, wide };
   });
   result.phoneStrings = await page.evaluate(interfaceStrings);
+  result.broken.push(...(await page.evaluate(brokenWords)));
   await page.close();
   return result;
 }
