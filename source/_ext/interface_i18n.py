@@ -1,6 +1,6 @@
 """The site's interface in the page's language, where the theme and the extensions leave English.
 
-- Long CamelCase names in the sidebars wrap between their words.
+- Long names in the sidebars and headings wrap between their parts.
 - Sidebar captions get the heading level that their role="heading" needs (axe:
   aria-required-attr), and code blocks that scroll can be reached with the keyboard (axe:
   scrollable-region-focusable), and so can tables that scroll sideways.
@@ -46,14 +46,16 @@ def search_summary_forms(app, count):
 
 
 def _break_names(html):
-    """Let long CamelCase names (DistributedDataParallel) wrap between their words, not
-    anywhere inside them, in the narrow sidebars: <wbr> in the text between tags."""
+    """Let long names wrap between their parts, not anywhere inside them, in the narrow
+    sidebars and in headings on a phone: <wbr> between the words of a CamelCase name
+    (DistributedDataParallel) and after the dots of a dotted one (torch.distributed.checkpoint)."""
 
     def name(match):
-        return re.sub(r"(?<=[a-z])(?=[A-Z][a-z])", "<wbr>", match.group(0))
+        word = re.sub(r"(?<=[a-z])(?=[A-Z][a-z])", "<wbr>", match.group(0))
+        return re.sub(r"(?<=\w)\.(?=\w)", ".<wbr>", word)
 
     def text(match):
-        return re.sub(r"[A-Za-z]{14,}", name, match.group(0))
+        return re.sub(r"[\w.]{14,}", name, match.group(0))
 
     return re.sub(r"(?<=>)[^<>]+(?=<)", text, html)
 
@@ -74,6 +76,7 @@ def _accessible_html(app, pagename, templatename, context, doctree):
     body = context.get("body")
     if body:
         body = body.replace("<pre>", '<pre tabindex="0">').replace(caption, level)
+        body = re.sub(r"<h[12]>.*?</h[12]>", lambda m: _break_names(m.group(0)), body, flags=re.S)
         wrapper = '<div class="table-wrapper'
         context["body"] = body.replace(wrapper, '<div tabindex="0" class="table-wrapper')
 
