@@ -107,6 +107,26 @@ def test_chart_draws_one_bar_per_figure():
     assert "NVIDIA A100" in svg and ">188<" in svg
 
 
+def test_chart_draws_no_zero_wide_bar_and_has_a_text_alternative():
+    """A figure on a decade (100 ms) lies above the axis' origin, not on it; the chart is an
+    image with a name screen readers announce."""
+    extension = load_extension()
+    summary = [("GPU", "2.13.0", "measured", "train", {"float": 100.0, "half": 1000.0})]
+    svg = extension.svg_chart(summary, "en", "Training time")
+    bars = re.findall(r'width="([\d.]+)" height="9"', svg)  # the legend's squares are 12 high
+    assert len(bars) == 2 and all(float(w) > 10 for w in bars), bars
+    assert 'role="img" aria-label="Training time"' in svg and "<title>Training time</title>" in svg
+
+
+def test_numbers_and_cpu_names_follow_the_language():
+    extension = load_extension()
+    assert extension.number(5181.4, "en") == "5,181"
+    assert extension.number(5181.4, "fr") == "5\u202f181"
+    assert extension.number(5181.4, "ja") == "5,181"
+    assert extension.device_label("NVIDIA V100 (DGX-2)") == "NVIDIA V100 (DGX-2)"
+    assert extension.device_label("AMD EPYC (2 cores)") == "AMD EPYC (2 cores)"  # English build
+
+
 def test_bad_model_name_is_refused(tmp_path):
     proc = run([sys.executable, BENCHMARK, "--models", "resnet19"], cwd=tmp_path, expect_rc=2)
     assert "choose from resnet18," in proc.stderr and "Traceback" not in proc.stderr

@@ -1,6 +1,7 @@
 """The built site, in all four languages: strict builds, switcher, tabs, search, copy, links."""
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -95,7 +96,8 @@ def test_page_has_switcher_alternates_and_versions(site, lang, page):
         )
         assert target.is_file(), link["href"]
     assert [a.get("aria-current") for a in html.switcher].count("page") == 1
-    assert set(html.alternates) == {"en", "zh-CN", "ja", "fr"}
+    assert set(html.alternates) == {"en", "zh-CN", "ja", "fr", "x-default"}
+    assert html.alternates["x-default"] == html.alternates["en"]
 
 
 def stamp_of(text):
@@ -242,6 +244,38 @@ def test_benchmark_page_renders_the_csv_files(site, lang):
     assert len(rows) == 1 + 4 + 2, table[0]
     assert ">188<" in table[0] and ">AMD EPYC" in table[0]
     assert text.count('<svg class="benchmark-chart"') == 2
+    # Numbers and the CPU's core count in the page's language: 5 181 in French, 2コア in Japanese.
+    figures = re.findall(r"<td><p>([\d,\u202f]+)</p></td>", table[0])
+    big = [f for f in figures if len(f) > 3]
+    assert big, figures
+    if lang == "fr":
+        assert all("," not in f and "\u202f" in f for f in big), big
+    else:
+        assert all("," in f for f in big), big
+    cores = {"en": "(2 cores)", "zh_CN": "（2 核）", "ja": "（2コア）", "fr": "(2\u00a0cœurs)"}[
+        lang
+    ]
+    assert cores in table[0] and text.count(cores) >= 3  # the table and both charts
+
+
+def test_site_url_gives_absolute_alternates_and_a_canonical_link(tmp_path):
+    """With SITE_URL (where the site is published), every page's hreflang links are absolute,
+    English is the x-default and the page names its canonical address; without it, relative."""
+    env = {**os.environ, "SITE_URL": "https://guide.example.org/pytorch/"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-b", "html", "-q", "-W", "-j", "auto", "-c", ROOT,
+         "-Dlanguage=fr", SOURCE, tmp_path],
+        capture_output=True, text=True, check=False, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    html = Page(tmp_path / "distributed" / "ddp.html")
+    base = "https://guide.example.org/pytorch"
+    assert html.alternates == {
+        "en": f"{base}/en/distributed/ddp.html", "zh-CN": f"{base}/zh_CN/distributed/ddp.html",
+        "ja": f"{base}/ja/distributed/ddp.html", "fr": f"{base}/fr/distributed/ddp.html",
+        "x-default": f"{base}/en/distributed/ddp.html",
+    }  # fmt: skip
+    assert f'<link rel="canonical" href="{base}/fr/distributed/ddp.html">' in html.text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,6 +383,20 @@ def test_browser_headings_and_sidebars_break_lines_between_words(browser, lang, 
     """At 1280 and 390 px: no word of a heading or a sidebar link is drawn across two lines
     (names wrap at the <wbr> the site puts between their parts; Japanese between phrases)."""
     assert _page(browser[lang], page)["broken"] == []
+
+
+@pytest.mark.parametrize("lang", LANGUAGES)
+@pytest.mark.parametrize("page", PAGES)
+def test_browser_phone_charts_legible_and_wide_content_scrolls_visibly(browser, lang, page):
+    """At 390 px: chart text at least 7 px as drawn; a table, chart or code block wider than
+    the screen scrolls by keyboard too, and tables and charts show a shadow where more is."""
+    phone = _page(browser[lang], page)["phone"]
+    assert all(size >= 7 for size in phone["chartText"]), phone["chartText"]
+    if page == "performance/gpu-benchmark":
+        assert len(phone["chartText"]) == 2
+        assert any("table-wrapper" in s["what"] for s in phone["scrollers"]), "the table fits?"
+    bad = [s for s in phone["scrollers"] if not (s["focusable"] and s["shadow"])]
+    assert bad == []
 
 
 @pytest.mark.parametrize("lang", LANGUAGES)

@@ -115,6 +115,21 @@ async function checkPage(context, name) {
     return { scroll: root.scrollWidth - root.clientWidth, wide };
   });
   result.phoneStrings = await page.evaluate(interfaceStrings);
+  // On the phone: the smallest chart text as drawn (px), and every region that scrolls
+  // sideways: reachable by keyboard, and (tables, charts) showing a shadow where more is.
+  result.phone = await page.evaluate(() => ({
+    chartText: [...document.querySelectorAll("svg.benchmark-chart")].map((svg) => {
+      const scale = svg.getBoundingClientRect().width / svg.viewBox.baseVal.width;
+      return Math.min(...[...svg.querySelectorAll("text")].map((t) => parseFloat(getComputedStyle(t).fontSize) * scale));
+    }),
+    scrollers: [...document.querySelectorAll(".table-wrapper, .benchmark-chart-scroll, pre")]
+      .filter((el) => el.scrollWidth > el.clientWidth + 1 && el.checkVisibility())
+      .map((el) => ({
+        what: el.tagName === "PRE" ? "code" : el.className,
+        focusable: el.tabIndex >= 0,
+        shadow: el.tagName === "PRE" || getComputedStyle(el).backgroundImage.includes("gradient"),
+      })),
+  }));
   result.broken.push(...(await page.evaluate(brokenWords)));
   await page.close();
   return result;
