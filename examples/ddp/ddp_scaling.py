@@ -55,8 +55,11 @@ def main(argv=None):
         proc = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
         rates = re.findall(r"^epoch \d+: loss \S+, (\d+) images/s$", proc.stdout, re.M)
         if proc.returncode != 0 or not rates:
-            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-            print(f"ddp_scaling.py: error: {processes} processes failed: {last}", file=sys.stderr)
+            # torchrun ends with a box of ===; the processes' own one-line errors say why.
+            lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+            errors = [line for line in lines if "error" in line.lower() and "=" not in line[:3]]
+            why = " | ".join(dict.fromkeys(errors[-3:] or lines[-1:] or ["no output"]))
+            print(f"ddp_scaling.py: error: {processes} processes failed: {why}", file=sys.stderr)
             sys.exit(1)
         rows.append({"processes": processes, "images_per_s": int(rates[-1])})
         print(f"{processes} processes: {rates[-1]} images/s")
