@@ -222,16 +222,37 @@ def gridengine_cell():
         pytest.skip(
             "the Grid Engine tests need root to install and start its daemons; CI runs them"
         )
+    # One cell per machine (its ports and spool are fixed), shared by the pytest workers that
+    # need it (test_gridengine, test_page_blocks): the first starts it, the last one stops it.
     script = TESTS / "gridengine" / "cell.sh"
+    users = Path(tempfile.gettempdir()) / "pytorch-on-hpc-gridengine.users"
+    lock = filelock.FileLock(f"{users}.lock")
+
+    def live_users():
+        pids = users.read_text().split() if users.exists() else []
+        return [pid for pid in pids if Path("/proc", pid).exists() and pid != str(os.getpid())]
+
     start = time.perf_counter()
-    proc = subprocess.run(["bash", script, "up"], capture_output=True, text=True, check=False)
+    with lock:
+        others = live_users()
+        proc = None
+        if not others:  # a cell left by a killed run is stopped first
+            subprocess.run(["bash", script, "down"], capture_output=True, check=False)
+            proc = subprocess.run(
+                ["bash", script, "up"], capture_output=True, text=True, check=False
+            )
+        users.write_text(" ".join([*others, str(os.getpid())]))
     seconds = time.perf_counter() - start
     try:
-        if proc.returncode != 0:
+        if proc is not None and proc.returncode != 0:
             pytest.fail(f"the Grid Engine cell did not start:\n{proc.stdout}{proc.stderr}")
         yield {"SGE_ROOT": "/var/lib/gridengine", "SGE_CELL": "default"}, seconds
     finally:
-        subprocess.run(["bash", script, "down"], capture_output=True, check=False)
+        with lock:
+            others = live_users()
+            users.write_text(" ".join(others))
+            if not others:
+                subprocess.run(["bash", script, "down"], capture_output=True, check=False)
 
 
 def site_env(**extra):
