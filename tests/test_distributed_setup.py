@@ -148,7 +148,8 @@ def test_a_rank_busier_than_the_start_up_timeout_does_not_kill_the_job(script, t
 
 
 def frees_before_destroying(script):
-    """Whether each function that calls destroy_process_group deletes its objects first."""
+    """Whether each function that calls destroy_process_group deletes its objects, then
+    collects the reference cycles among them (gc.collect()), before it."""
     tree = ast.parse(script.read_text(encoding="utf-8"))
     found = []
     for function in ast.walk(tree):
@@ -157,7 +158,11 @@ def frees_before_destroying(script):
         statements = function.body
         for i, statement in enumerate(statements):
             if "destroy_process_group" in ast.unparse(statement):
-                found.append(any(isinstance(s, ast.Delete) for s in statements[:i]))
+                deleted = [j for j, s in enumerate(statements[:i]) if isinstance(s, ast.Delete)]
+                collected = [
+                    j for j, s in enumerate(statements[:i]) if "gc.collect()" in ast.unparse(s)
+                ]
+                found.append(bool(deleted and collected and max(collected) > max(deleted)))
     return found
 
 
@@ -178,6 +183,11 @@ def test_models_are_freed_before_the_group_is_destroyed(script):
     interpreter shutdown, a gloo group is destroyed after Python has finalised, and one rank in
     a few aborts with "terminate called without an active exception" after the last epoch
     (measured: 3 aborts in 24 runs of mps_ddp.py with 4 processes under load, 0 in 30 once it
-    deleted its model and optimizer first; CI met it in Slurm jobs of mps_ddp and fsdp)."""
+    deleted its model and optimizer first; CI met it in Slurm jobs of mps_ddp and fsdp, and
+    again in fsdp.sbatch, 2 of 3 jobs in one CI run, with the objects deleted but not the
+    reference cycles among them collected; pytorch/pytorch#179291 describes gloo work objects
+    that still hold tensors at interpreter shutdown)."""
     found = frees_before_destroying(script)
-    assert found and all(found), f"{rel(script)}: del the model and optimizer before destroying"
+    assert found and all(found), (
+        f"{rel(script)}: del the model and optimizer, then gc.collect(), before destroying"
+    )

@@ -16,6 +16,7 @@ global batch (replicas x --batch-size). Rank 0 prints the loss and images/s of e
 
 import argparse
 import datetime
+import gc
 import os
 import socket
 import sys
@@ -197,6 +198,7 @@ def main(argv=None):
             print(f"epoch {epoch + 1}: loss {loss_sum / images_seen:.4f}, "
                   f"{images_seen / seconds:.0f} images/s")  # fmt: skip
     del model, optimizer  # they hold the process group: free it while Python still runs
+    gc.collect()  # and the reference cycles among them (hooks, DDP's reducer)
     dist.destroy_process_group()
 
 

@@ -15,6 +15,7 @@ Rank 0 prints the loss and images/s of every epoch and, at the end, a digest of 
 
 import argparse
 import datetime
+import gc
 import hashlib
 import os
 import re
@@ -277,6 +278,7 @@ def main(argv=None):
     if rank == 0:
         print(f"Weights digest: {weights_digest(torch, model.module.state_dict())}")
     del model, optimizer  # they hold the process group: free it while Python still runs
+    gc.collect()  # and the reference cycles among them (hooks, DDP's reducer)
     dist.destroy_process_group()
 
 

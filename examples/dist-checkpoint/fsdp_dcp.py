@@ -17,6 +17,7 @@ inference, in a single process, without GPU or launcher.
 
 import argparse
 import datetime
+import gc
 import hashlib
 import os
 import re
@@ -356,6 +357,7 @@ def main(argv=None):
     if rank == 0:
         print(f"Weights digest: {digest}")
     del model, optimizer, mesh  # they hold the process group: free it while Python still runs
+    gc.collect()  # and the reference cycles among them (hooks, DDP's reducer)
     dist.barrier()  # no rank tears its groups down while another still communicates
     dist.destroy_process_group()
 

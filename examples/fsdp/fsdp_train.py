@@ -16,6 +16,7 @@ how many parameters each process holds, then the loss and images/s of every epoc
 
 import argparse
 import datetime
+import gc
 import os
 import socket
 import sys
@@ -274,6 +275,7 @@ def main(argv=None):
             print(f"epoch {epoch + 1}: loss {loss_sum / images_seen:.4f}, "
                   f"{images_seen / seconds:.0f} images/s{memory}")  # fmt: skip
     del model, optimizer, mesh  # they hold the process group: free it while Python still runs
+    gc.collect()  # and the reference cycles among them (hooks, DDP's reducer)
     dist.barrier()  # no rank tears its groups down while another still communicates
     dist.destroy_process_group()
 

@@ -12,6 +12,7 @@ detected"). Each rank prints its throughput; rank 0 prints the total.
 
 import argparse
 import datetime
+import gc
 import os
 import sys
 import time
@@ -93,6 +94,7 @@ def main(argv=None):
             print(f"epoch {epoch + 1}: loss {mean_loss.item() / world:.3f}, "
                   f"{rate.item():.0f} samples/s with {world} replicas on {device}")  # fmt: skip
     del model, optimizer  # they hold the process group: free it while Python still runs
+    gc.collect()  # and the reference cycles among them (hooks, DDP's reducer)
     dist.barrier()  # no rank tears its group down while another still communicates
     dist.destroy_process_group()
 

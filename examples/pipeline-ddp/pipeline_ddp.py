@@ -15,6 +15,7 @@ under torchrun or as Slurm tasks, with nccl on GPUs and gloo on CPUs.
 
 import argparse
 import datetime
+import gc
 import os
 import socket
 import sys
@@ -254,6 +255,7 @@ def main(argv=None):
                   f"{images_seen / seconds:.0f} images/s")  # fmt: skip
     # These hold the process groups: free them while Python still runs.
     del schedule, stage, module, optimizer, mesh, dp_group
+    gc.collect()  # and the reference cycles among them (hooks, DDP's reducer)
     dist.barrier()  # no rank tears its groups down while another still communicates
     dist.destroy_process_group()
 

@@ -16,6 +16,7 @@ CPUs.
 
 import argparse
 import datetime
+import gc
 import os
 import sys
 import time
@@ -226,6 +227,7 @@ def main(argv=None):
                   f"{images_seen / seconds:.0f} images/s")  # fmt: skip
     # [train-end]
     del schedule, stage, optimizer  # they hold the process group: free it while Python still runs
+    gc.collect()  # and the reference cycles among them (hooks, DDP's reducer)
     dist.barrier()  # no rank tears its groups down while another still communicates
     dist.destroy_process_group()
 

@@ -76,7 +76,8 @@ def _accessible_html(app, pagename, templatename, context, doctree):
     body = context.get("body")
     if body:
         body = body.replace("<pre>", '<pre tabindex="0">').replace(caption, level)
-        body = re.sub(r"<h[12]>.*?</h[12]>", lambda m: _break_names(m.group(0)), body, flags=re.S)
+        headings = r"<h([12])\b[^>]*>.*?</h\1>"  # translated ones have class="translated"
+        body = re.sub(headings, lambda m: _break_names(m.group(0)), body, flags=re.S)
         wrapper = '<div class="table-wrapper'
         context["body"] = body.replace(wrapper, '<div tabindex="0" class="table-wrapper')
 
