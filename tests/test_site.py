@@ -1,5 +1,7 @@
 """The built site, in all four languages: strict builds, switcher, tabs, search, copy, links."""
 
+import functools
+import importlib.metadata
 import json
 import os
 import re
@@ -258,6 +260,17 @@ def test_benchmark_page_renders_the_csv_files(site, lang):
     assert cores in table[0] and text.count(cores) >= 3  # the table and both charts
 
 
+def test_page_template_is_a_copy_of_the_pinned_furo():
+    """source/_templates/page.html copies furo's page.html: it names the furo version it was
+    copied from, which must be the one requirements.txt pins and the venv has (after an
+    upgrade, copy the new page.html and route its strings through _() again)."""
+    copied = re.search(
+        r"furo (\S+)'s page\.html", (SOURCE / "_templates" / "page.html").read_text()
+    )
+    pinned = re.search(r"^furo==(\S+)$", (ROOT / "requirements.txt").read_text(), re.M)
+    assert copied and pinned and copied[1] == pinned[1] == importlib.metadata.version("furo")
+
+
 def test_site_url_gives_absolute_alternates_and_a_canonical_link(tmp_path):
     """With SITE_URL (where the site is published), every page's hreflang links are absolute,
     English is the x-default and the page names its canonical address; without it, relative."""
@@ -360,6 +373,7 @@ def _page(seen, page):
     return next(p for p in seen["pages"] if p["page"] == page)
 
 
+@functools.cache
 def _same_in_catalogs(lang):
     """Strings the translators kept as they are (names such as Horovod, C++)."""
     same = set()

@@ -37,7 +37,10 @@ def _check(app, env, *args):
 def _add_index_entries(app, doctree):
     if app.builder.name == "gettext":  # the terms are per language, not page text to translate
         return
-    terms = load_terms(terms_file(app)).get(app.env.docname)
+    path = terms_file(app)
+    if path.is_file():
+        app.env.note_dependency(str(path))  # an edited list rebuilds the pages
+    terms = load_terms(path).get(app.env.docname)
     if terms:
         entries = [("single", term, "", "", None) for term in terms]
         doctree.append(addnodes.index(entries=entries, inline=False))
