@@ -5,8 +5,9 @@
 # linting, the browser tests' driver), g++ and cmake (Horovod, LibTorch, DeepSpeed's ops), libaio
 # (DeepSpeed's NVMe offload), Chromium (the browser tests, tests/node/browser.mjs) and hunspell
 # with its French dictionary (the French spell check). Does nothing when all are present.
-# Without root it lists what is missing; the tests that need it then skip, saying why. The Slurm and Grid Engine daemons
-# are installed by tests/slurm/cluster.sh and tests/gridengine/cell.sh when the tests start them.
+# Without root it lists what is missing; the tests that need it then skip, saying why. The
+# Slurm and Grid Engine daemons are installed by tests/slurm/cluster.sh and
+# tests/gridengine/cell.sh when the tests start them.
 set -euo pipefail
 need=()
 command -v msgfmt >/dev/null || need+=(gettext)
