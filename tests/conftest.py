@@ -152,6 +152,8 @@ class Job:
     expect: tuple = ()
     venv: str = ""  # a fixture giving the venv (or conda prefix) the job activates, when not
     # the tests' own
+    prepare: tuple = ()  # shell commands run in the job's folder before it is submitted, as a
+    # reader prepares data or an image on a login node
 
 
 def copy_example(tmp_path, *names):

@@ -1,0 +1,266 @@
+"""Train a small CNN on images read from tar shards, in one process or several (DDP).
+
+The shards come from make_shards.py. Each process reads its own share of the shards, and each
+DataLoader worker its own share of those, one file after another from start to end: a few
+large sequential reads instead of one open per image. A shuffle buffer mixes the samples of
+the shards it is reading. Read the shards from node-local disk where the job has one (see
+train_shards.sbatch, which copies them there first).
+
+    python train_shards.py --data-dir shards
+    torchrun --standalone --nproc-per-node=2 train_shards.py --data-dir shards
+    sbatch train_shards.sbatch                 # stages the shards to each node, then trains
+"""
+
+import argparse
+import contextlib
+import datetime
+import gc
+import io
+import math
+import os
+import random
+import socket
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more (got {text})")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number (got {text})")
+    return value
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path("shards"),
+        help="the folder of shards made by make_shards.py",
+    )
+    parser.add_argument("--epochs", type=positive_int, default=2)
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="per process")
+    parser.add_argument("--lr", type=positive_float, default=0.05)
+    parser.add_argument(
+        "--num-workers",
+        type=non_negative_int,
+        default=2,
+        help="DataLoader processes per training process",
+    )
+    parser.add_argument("--shuffle-buffer", type=positive_int, default=1000, help="samples")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--timeout",
+        type=positive_int,
+        default=600,
+        help="seconds a collective may wait for the other processes",
+    )
+    return parser.parse_args(argv)  # fmt: skip
+
+
+def fail(message):
+    print(f"train_shards.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def gpu_index(local_rank, visible):
+    """The CUDA device of this process among those it sees. srun --gpus-per-task shows each
+    task one GPU (index 0); otherwise each process of a node takes its local rank's GPU."""
+    if visible == 1:
+        return 0
+    if local_rank >= visible:
+        fail(f"local rank {local_rank} but only {visible} GPUs visible: one process per GPU")
+    return local_rank
+
+
+def distributed_env():
+    """(rank, world size, local rank): torchrun's variables, srun's, or a single process."""
+    if "RANK" in os.environ:
+        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    elif int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
+        names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+    else:
+        return 0, 1, 0
+    missing = [name for name in (*names, "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        fail(f"{', '.join(missing)} not set: start this script with torchrun or srun")
+    values = []
+    for name in (*names, "MASTER_PORT"):
+        if not os.environ[name].isdigit():
+            fail(f"{name}={os.environ[name]!r} is not a number")
+        values.append(int(os.environ[name]))
+    rank, world, local_rank, _port = values
+    if rank >= world:
+        fail(f"rank {rank} is outside a world of {world} processes ({names[0]}, {names[1]})")
+    return rank, world, local_rank
+
+
+def list_shards(data_dir):
+    shards = sorted(data_dir.glob("*.tar"))
+    if not shards or not (data_dir / "classes.txt").is_file():
+        fail(
+            f"no shards in {data_dir}: pack the dataset once, on a login node, with "
+            f"python make_shards.py --input-dir <image folder> --output-dir {data_dir}"
+        )
+    return shards
+
+
+def make_dataset(torch, shards, rank, world, args):
+    import numpy as np
+    from PIL import Image
+
+    class Shards(torch.utils.data.IterableDataset):
+        """The samples of this process's shards, read sequentially, mixed in a buffer."""
+
+        def __init__(self):
+            self.epoch = 0
+
+        def __iter__(self):
+            info = torch.utils.data.get_worker_info()
+            worker, workers = (info.id, info.num_workers) if info else (0, 1)
+            rng = random.Random(args.seed + self.epoch)
+            order = shards[:]
+            rng.shuffle(order)  # a new shard order each epoch, the same in every process
+            mine = order[rank::world][worker::workers]
+            rng = random.Random(f"{args.seed}-{self.epoch}-{rank}-{worker}")
+            buffer = []
+            for sample in self.samples(mine):
+                buffer.append(sample)
+                if len(buffer) >= args.shuffle_buffer:
+                    yield buffer.pop(rng.randrange(len(buffer)))
+            rng.shuffle(buffer)
+            yield from buffer
+
+        def samples(self, files):
+            for path in files:
+                parts = {}
+                with tarfile.open(path, mode="r|") as tar:  # a stream: one sequential read
+                    for member in tar:
+                        key, _, ext = member.name.partition(".")
+                        if parts and key != parts["key"]:
+                            yield decode(parts)
+                            parts = {}
+                        parts["key"] = key
+                        parts[ext] = tar.extractfile(member).read()
+                if parts:
+                    yield decode(parts)
+
+    def decode(parts):
+        image = next(data for ext, data in parts.items() if ext in ("png", "jpg", "jpeg"))
+        pixels = np.asarray(Image.open(io.BytesIO(image)).convert("RGB"), dtype=np.float32)
+        tensor = torch.from_numpy(pixels).permute(2, 0, 1) / 127.5 - 1
+        return tensor, int(parts["cls"])
+
+    return Shards()
+
+
+def make_model(torch, classes):
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4),
+        nn.Flatten(), nn.Linear(64 * 4 * 4, classes),
+    )  # fmt: skip
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rank, world, local_rank = distributed_env()
+    shards = list_shards(args.data_dir)
+    classes = len((args.data_dir / "classes.txt").read_text().split())
+    import torch
+    import torch.distributed as dist
+
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda but no GPU is visible: request one (e.g. #SBATCH --gpus-per-node=1)")
+    gpu = gpu_index(local_rank, torch.cuda.device_count()) if use_cuda else None
+    if use_cuda:
+        torch.cuda.set_device(gpu)
+    device = torch.device("cuda", gpu) if use_cuda else torch.device("cpu")
+    if world > 1:
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo",
+            init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=args.timeout),
+            device_id=device if use_cuda else None,
+        )
+    if len(shards) < world * max(args.num_workers, 1) and rank == 0:
+        print(f"warning: {len(shards)} shards for {world} x {max(args.num_workers, 1)} readers: "
+              "some read nothing; make more, smaller shards")  # fmt: skip
+
+    dataset = make_dataset(torch, shards, rank, world, args)
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        num_workers=args.num_workers,
+        pin_memory=use_cuda,
+    )
+    torch.manual_seed(args.seed)  # the same initial weights in every replica
+    model = make_model(torch, classes).to(device)
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    print(f"rank {rank}/{world} on {host}: reading {len(shards[rank::world])} of "
+          f"{len(shards)} shards from {args.data_dir}")  # fmt: skip
+
+    for epoch in range(1, args.epochs + 1):
+        dataset.epoch = epoch
+        totals = torch.zeros(2, device=device)  # loss sum, images
+        start = time.perf_counter()
+        # Shards hold different numbers of images, so the processes may run out of batches at
+        # different steps: join() lets those that finish early answer the others' all-reduces.
+        with model.join() if world > 1 else contextlib.nullcontext():
+            for images, labels in loader:
+                images = images.to(device, non_blocking=True)
+                labels = labels.to(device, non_blocking=True)
+                loss = torch.nn.functional.cross_entropy(model(images), labels)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                totals[0] += loss.detach() * len(labels)
+                totals[1] += len(labels)
+        if world > 1:
+            dist.all_reduce(totals)
+        seconds = time.perf_counter() - start
+        loss_sum, images_seen = totals.tolist()
+        if not images_seen:
+            fail(f"epoch {epoch} read no images from {args.data_dir}: are the shards empty?")
+        if not math.isfinite(loss_sum):
+            fail(f"loss is {loss_sum} in epoch {epoch}: try a lower --lr")
+        if rank == 0:
+            processes = f"{world} processes" if world > 1 else "1 process"
+            print(f"epoch {epoch}: loss {loss_sum / images_seen:.4f}, {images_seen:.0f} images, "
+                  f"{images_seen / seconds:.0f} images/s ({processes})")  # fmt: skip
+    if world > 1:
+        del model, optimizer  # they hold the process group: free it while Python still runs
+        gc.collect()  # and the reference cycles among them (DDP's reducer)
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
