@@ -116,6 +116,17 @@ BLOCKS = {
      "APPTAINER_CACHEDIR=/path/to/project/apptainer-cache"): ("not run", "Apptainer cannot be "
      "installed on the test machines (no Debian package), and the image (10 GB) is on nvcr.io, "
      "which they cannot reach"),
+    ("getting-started/containers.md", "[user@login ~]$ export "
+     "APPTAINER_CACHEDIR=/path/to/project/apptainer-cache"): ("not run", "Apptainer cannot be "
+     "installed on the test machines (no Debian package), and the image (10 GB) is on nvcr.io, "
+     "which they cannot reach"),
+    ("getting-started/containers.md", "[user@login containers]$ apptainer build pytorch.sif "
+     "pytorch.def"): ("not run", "needs Apptainer and nvcr.io: test_containers.py parses "
+     "pytorch.def and shellchecks its %post, %environment and %test; test_slurm.py's job "
+     "builds a placeholder with the apptainer stand-in"),
+    ("getting-started/containers.md", "[user@login ~]$ apptainer exec --bind /path/to/project "
+     "pytorch.sif \\"): ("not run", "needs Apptainer and an image, and installs from PyPI: "
+     "test_containers.py checks that pytorch.def sets PIP_CONSTRAINT for pip in the container"),
     ("getting-started/install.md", "(pytorch) [user@login ~]$ python -m pip install ipykernel"):
         ("not run", "installs from PyPI into the reader's venv: the tests install nothing into "
          "the venv they run in"),

@@ -5,10 +5,13 @@ each; it is started once for these tests and stopped at the end. Run only these 
 `make test-slurm`.
 """
 
+import json
 import os
 import re
 import sys
 import time
+import urllib.error
+import urllib.request
 from datetime import datetime
 from pathlib import Path
 
@@ -234,8 +237,57 @@ JOBS = {
             "MPS control daemon stopped (stand-in)",
         ),
     ),
+    "containers/apptainer.sbatch": Job(
+        files=("first-job/check_distributed.py",),
+        expect=(
+            "Job {job_id}: 4 processes on n[1-2], rendezvous at n1:",
+            "not binding /project: no such folder here",
+            "rank 0/4 on n1, cpu (gloo): sum 10",
+            "rank 3/4 on n2, cpu (gloo): sum 10",
+            "All 4 processes on 2 node(s) (n1, n2) reached each other",
+        ),
+        # The image, built on the "login node" by the apptainer stand-in (tests/standins).
+        prepare=(
+            f"mkdir -p ~/containers && apptainer build ~/containers/pytorch.sif "
+            f"{EXAMPLES / 'containers' / 'pytorch.def'}",
+        ),
+    ),
+    "caches/compile_cache.sbatch": Job(
+        files=("caches/compile_cache.py",),
+        args=("--device", "cpu"),
+        expect=(
+            "Job {job_id}: no shared cache yet at ",
+            "/compile-{job_id}/inductor: 0 files before, ",
+            "(cold)",
+            "Published the compile cache to ",
+        ),
+    ),
+    "data/train_shards.sbatch": Job(
+        files=("data/train_shards.py",),
+        args=("--device", "cpu", "--epochs", "2", "--batch-size", "16"),
+        prepare=(f"python {EXAMPLES}/data/make_shards.py --fake 384 --shard-size 16",),
+        expect=(
+            "n1: 24 shards checked in /tmp/shards-{job_id}",
+            "n2: 24 shards checked in /tmp/shards-{job_id}",
+            " to 2 node(s) in ",
+            "Job {job_id}: 4 processes on n[1-2], rendezvous at n1:",
+            "rank 3/4 on n2: reading 6 of 24 shards from /tmp/shards-{job_id}",
+            "epoch 2: loss ",
+        ),
+    ),
+    "jupyter/jupyter.sbatch": Job(
+        args=("--allow-root",),  # the tests' jobs run as root, which Jupyter refuses without it
+        expect=(
+            "Job {job_id}: JupyterLab on n",
+            "@login.cluster.example.org",
+            "End the session with: scancel {job_id}",
+        ),
+    ),
 }
 SBATCH_SCRIPTS = sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*.sbatch"))
+# Job scripts that start a server and run until scancel or their time limit: the tests that
+# wait for a job to end leave them out, and each has a test of its own at the end of this file.
+SERVERS = {"jupyter/jupyter.sbatch"}
 FINISHED = {"COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "OUT_OF_MEMORY", "NODE_FAIL"}
 
 
@@ -258,6 +310,12 @@ def wait_for(job_id, env, timeout=180):
         time.sleep(0.2)
     info["output"] = Path(info["StdOut"]).read_text(encoding="utf-8")
     return info
+
+
+def prepare(job, folder, env):
+    """What a reader does on a login node before submitting the job (Job.prepare)."""
+    for command in job.prepare:
+        run(["bash", "-c", command], cwd=folder, env=env, timeout=300)
 
 
 def sbatch(*args, cwd, env):
@@ -302,13 +360,14 @@ def test_every_slurm_job_script_has_a_test():
     assert sorted(JOBS) == SBATCH_SCRIPTS, "add the new job script to JOBS in tests/test_slurm.py"
 
 
-@pytest.mark.parametrize("script", SBATCH_SCRIPTS)
+@pytest.mark.parametrize("script", [s for s in SBATCH_SCRIPTS if s not in SERVERS])
 def test_job_script_completes_under_slurm(
     cluster, job_env, tmp_path, script, record_property, request
 ):
     job = JOBS[script]
     copy_example(tmp_path, script, *job.files)
     env = job_env_for(cluster, job_env, job, request)
+    prepare(job, tmp_path, env)
     start = time.perf_counter()
     job_id = sbatch(script.split("/")[-1], *job.args, cwd=tmp_path, env=env)
     info = wait_for(job_id, env)
@@ -402,6 +461,7 @@ def test_one_failed_task_ends_the_job(cluster, job_env, tmp_path, script):
         "time.sleep(300)\n"
     )
     env = job_env_for(cluster, job_env, job)
+    prepare(job, tmp_path, env)
     start = time.perf_counter()
     info = wait_for(
         sbatch(script.split("/")[-1], *job.args, cwd=tmp_path, env=env), env, timeout=90
@@ -466,7 +526,7 @@ def test_scripts_started_by_srun_pick_their_gpu_with_gpu_index(path):
     assert not PICKS_A_GPU.search(text) or path in GPU_SCRIPTS, f"{path.name}: no gpu_index()"
 
 
-@pytest.mark.parametrize("script", SBATCH_SCRIPTS)
+@pytest.mark.parametrize("script", [s for s in SBATCH_SCRIPTS if s not in SERVERS])
 @pytest.mark.parametrize("fault", ["wrong module", "missing file"])
 def test_a_broken_job_script_fails_under_slurm(cluster, job_env, tmp_path, script, fault, request):
     job = JOBS[script]
@@ -483,6 +543,7 @@ def test_a_broken_job_script_fails_under_slurm(cluster, job_env, tmp_path, scrip
             (tmp_path / extra.split("/")[-1]).unlink()
         message = "No such file"
     env = job_env_for(cluster, job_env, job, request)
+    prepare(job, tmp_path, env)
     info = wait_for(sbatch(name, *job.args, cwd=tmp_path, env=env), env)
     assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0", info["output"]
     assert message in info["output"], info["output"]
@@ -553,8 +614,30 @@ def test_preemptible_job_on_usr1_saves_requeues_itself_and_resumes(
     record_property("timing", f"Slurm requeue: the job waited {waited.total_seconds():.0f} s")
 
 
+def test_a_damaged_shard_stops_the_job_before_training(cluster, job_env, tmp_path):
+    """A shard that changed after make_shards.py wrote its checksum (a copy cut short, a
+    damaged disk): the staging step's sha256sum fails on each node and no training starts."""
+    script = "data/train_shards.sbatch"
+    job = JOBS[script]
+    copy_example(tmp_path, script, *job.files)
+    env = job_env_for(cluster, job_env, job)
+    prepare(job, tmp_path, env)
+    shard = tmp_path / "shards" / "shard-000003.tar"
+    shard.write_bytes(shard.read_bytes()[:-1024])
+    info = wait_for(sbatch("train_shards.sbatch", *job.args, cwd=tmp_path, env=env), env)
+    assert info["JobState"] == "FAILED", info["output"]
+    assert "shard-000003.tar: FAILED" in info["output"], info["output"]
+    assert "WARNING: 1 computed checksum did NOT match" in info["output"], info["output"]
+    assert "Job " not in info["output"] and "epoch" not in info["output"], info["output"]
+    assert not list(Path("/tmp").glob(f"shards-{info['JobId']}*")), "staged copies left behind"
+
+
 # Scripts that start a distributed job: they must choose their port per job.
-DISTRIBUTED = [s for s in SBATCH_SCRIPTS if "SLURM_JOB_ID % 10000" in (EXAMPLES / s).read_text()]
+DISTRIBUTED = [
+    s
+    for s in SBATCH_SCRIPTS
+    if s not in SERVERS and "SLURM_JOB_ID % 10000" in (EXAMPLES / s).read_text()
+]
 
 
 @pytest.mark.parametrize("script", DISTRIBUTED)
@@ -564,6 +647,7 @@ def test_two_copies_of_a_distributed_job_share_a_node(cluster, job_env, tmp_path
     job = JOBS[script]
     copy_example(tmp_path, script, *job.files)
     env = job_env_for(cluster, job_env)
+    prepare(job, tmp_path, env)
     one_node = ["--nodelist=n1", "--nodes=1", "--cpus-per-task=1", "--gpus-per-node=1",
                 "--mem=8G"]  # fmt: skip
     tasks = re.search(r"^#SBATCH --ntasks-per-node=(\d+)", (EXAMPLES / script).read_text(), re.M)
@@ -576,3 +660,61 @@ def test_two_copies_of_a_distributed_job_share_a_node(cluster, job_env, tmp_path
     assert first["StartTime"] <= second["EndTime"] and second["StartTime"] <= first["EndTime"]
     ports = {re.search(r"rendezvous at \S+:(\d+)", info["output"])[1] for info in (first, second)}
     assert len(ports) == 2
+
+
+def http_get(url, host):
+    """(status, body) of a GET of url with the Host header a browser at host sends (no proxy)."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    request = urllib.request.Request(url, headers={"Host": host})
+    try:
+        with opener.open(request, timeout=10) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+
+
+def test_jupyter_server_starts_answers_and_stops(cluster, job_env, tmp_path):
+    """jupyter.sbatch runs until scancel: it prints the tunnel and the URL, the server answers
+    with the token (and refuses without it), and scancel stops it and removes its runtime dir."""
+    script = "jupyter/jupyter.sbatch"
+    job = JOBS[script]
+    copy_example(tmp_path, script)
+    env = job_env_for(cluster, job_env)
+    job_id = sbatch("jupyter.sbatch", *job.args, cwd=tmp_path, env=env)
+    output = tmp_path / f"jupyter-{job_id}.out"
+    deadline, out = time.monotonic() + 90, ""
+    try:
+        # The script prints the tunnel, then Jupyter logs that it listens.
+        while not re.search(r"Jupyter Server \S+ is running at:", out):
+            if job_info(job_id, env)["JobState"] in FINISHED or time.monotonic() > deadline:
+                pytest.fail(f"no running JupyterLab in job {job_id}:\n{out}", pytrace=False)
+            time.sleep(0.5)
+            out = output.read_text(encoding="utf-8") if output.exists() else ""
+        tunnel = re.search(r"^    ssh -N -L (\d+):(\S+):(\d+) \S+@login\.cluster\.example\.org$",
+                           out, re.M)  # fmt: skip
+        assert tunnel and tunnel[1] == tunnel[3], out
+        port, node = int(tunnel[1]), tunnel[2]
+        assert node in ("n1", "n2") and port != 8888 and port >= 20000 + int(job_id) % 10000, out
+        token = re.search(rf"^    http://localhost:{port}/lab\?token=([0-9a-f]{{48}})$", out, re.M)
+        assert token, out
+        for line in job.expect:
+            assert line.format(job_id=job_id) in out, out
+        assert output.stat().st_mode & 0o777 == 0o600, "the output holds the token: private"
+        runtime = Path("/tmp", f"jupyter-{job_id}")
+        assert runtime.stat().st_mode & 0o777 == 0o700, out
+        assert (runtime / "token").read_text() == token[1]
+        # What the browser sends through the tunnel: Host localhost:<port>.
+        api = f"http://{node}:{port}/api/status"
+        status, body = http_get(f"{api}?token={token[1]}", f"localhost:{port}")
+        assert status == 200 and {"started", "kernels"} <= json.loads(body).keys(), body
+        assert http_get(api, f"localhost:{port}")[0] == 403  # no token: Forbidden
+    finally:
+        run(["scancel", job_id], cwd=tmp_path, env=env)
+    info = wait_for(job_id, env, timeout=60)
+    out = info["output"]
+    assert info["JobState"] == "CANCELLED", out
+    # Slurm's SIGTERM reached the server, which shut down; then the script's traps ran.
+    assert "received signal 15, stopping" in out, out
+    assert re.search(r"Shutting down \d+ extensions", out), out
+    assert f"Job {job_id}: stopping JupyterLab" in out, out
+    assert not runtime.exists(), out

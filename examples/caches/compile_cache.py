@@ -1,0 +1,89 @@
+"""Time torch.compile of a small model with the compile cache it finds: cold or warm.
+
+torch.compile generates and compiles code the first time a model runs: seconds to minutes.
+It keeps the results in TORCHINDUCTOR_CACHE_DIR (and the GPU kernels in TRITON_CACHE_DIR), so
+a later process that compiles the same model with the same PyTorch reuses them. This script
+compiles a small MLP, runs a few training steps, and prints how long the first step took and
+how many files the cache held before and after. Run it twice with the same cache: the second
+run is warm.
+
+    TORCHINDUCTOR_CACHE_DIR=$PWD/compile-cache python compile_cache.py
+    sbatch compile_cache.sbatch                # a per-job copy of a shared cache
+"""
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--width", type=positive_int, default=256, help="hidden units")
+    parser.add_argument("--steps", type=positive_int, default=5, help="training steps")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    return parser.parse_args(argv)
+
+
+def fail(message):
+    print(f"compile_cache.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def count_files(folder):
+    return sum(len(files) for _, _, files in os.walk(folder))
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        fail("TORCHINDUCTOR_CACHE_DIR is not set: point it at the cache to use (see the page)")
+    cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda but no GPU is visible: request one (e.g. #SBATCH --gpus-per-node=1)")
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if use_cuda else "cpu")
+    before = count_files(cache) if cache.is_dir() else 0
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, args.width), torch.nn.GELU(),
+        torch.nn.Linear(args.width, args.width), torch.nn.GELU(),
+        torch.nn.Linear(args.width, 10),
+    ).to(device)  # fmt: skip
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    compiled = torch.compile(model)
+    inputs = torch.randn(128, 64, device=device)
+    labels = torch.randint(0, 10, (128,), device=device)
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(compiled(inputs), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if use_cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    after = count_files(cache)
+    state = "warm" if before else "cold"
+    print(f"Cache {cache}: {before} files before, {after} after ({state})")
+    print(f"First step (compiles): {times[0]:.1f} s; later steps: {min(times[1:] or times):.4f} s")
+    print(f"loss {loss.item():.4f} on {device.type}")
+
+
+if __name__ == "__main__":
+    main()
