@@ -20,6 +20,7 @@ WORKERS = {
     "checkpointing/train_checkpoint.py": (1, "--device cpu --checkpoint-dir ckpt"),
     "cpu-threads/cnn_cpu.py": (1, "--threads 1"),
     "ddp/ddp.py": (1, "--device cpu"),
+    "data/train_shards.py": (2, "--device cpu --data-dir shards"),
     "dist-checkpoint/ddp_checkpoint.py": (1, "--device cpu --output-dir ckpt"),
     "dist-checkpoint/fsdp_dcp.py": (1, "--device cpu --output-dir ckpt --width 32 --blocks 1"),
     "fsdp/fsdp_train.py": (1, "--device cpu --width 32 --blocks 1"),
@@ -30,8 +31,17 @@ WORKERS = {
     "pipeline-ddp/pipeline_ddp.py": (4, "--device cpu"),
     "preemption/preemptible.py": (1, "--device cpu --checkpoint-dir ckpt"),
 }
+# Examples that read files rather than generate data: their options instead of TINY, and the
+# command that makes their data first.
+OWN_DATA = {
+    "data/train_shards.py": (
+        "--epochs 1 --batch-size 16 --num-workers 2",
+        [EXAMPLES / "data" / "make_shards.py", "--fake", "64", "--shard-size", "8"],
+    ),
+}
 # Started as srun tasks (SLURM_PROCID, MASTER_ADDR, ...); the others as plain programs.
 DISTRIBUTED = {
+    "data/train_shards.py",
     "ddp/ddp.py",
     "dist-checkpoint/ddp_checkpoint.py",
     "dist-checkpoint/fsdp_dcp.py",
@@ -56,7 +66,11 @@ def test_every_example_with_dataloader_workers_is_tried():
 @pytest.mark.parametrize("script", sorted(WORKERS))
 def test_dataloader_workers_start_with_forkserver(script, tmp_path, request):
     world, options = WORKERS[script]
-    cmd = [sys.executable, EXAMPLES / script, *TINY.split(), *options.split()]
+    tiny = TINY
+    if script in OWN_DATA:
+        tiny, make_data = OWN_DATA[script]
+        run([sys.executable, *make_data], cwd=tmp_path)
+    cmd = [sys.executable, EXAMPLES / script, *tiny.split(), *options.split()]
     if script in DISTRIBUTED:
         ranks = launch(cmd, cwd=tmp_path, world=world, TESTS_START_METHOD="forkserver",
                        timeout=180)  # fmt: skip

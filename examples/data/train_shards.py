@@ -25,6 +25,11 @@ import tarfile
 import time
 from pathlib import Path
 
+import numpy as np
+import torch
+import torch.distributed as dist
+from PIL import Image
+
 
 def positive_int(text):
     value = int(text)
@@ -126,56 +131,52 @@ def list_shards(data_dir):
     return shards
 
 
-def make_dataset(torch, shards, rank, world, args):
-    import numpy as np
-    from PIL import Image
+class ShardDataset(torch.utils.data.IterableDataset):
+    """The samples of this process's shards, read sequentially and mixed in a buffer. Each
+    DataLoader worker gets a pickled copy, so it holds only plain values (no open files)."""
 
-    class Shards(torch.utils.data.IterableDataset):
-        """The samples of this process's shards, read sequentially, mixed in a buffer."""
+    def __init__(self, shards, rank, world, seed, buffer_size):
+        self.shards, self.rank, self.world = shards, rank, world
+        self.seed, self.buffer_size, self.epoch = seed, buffer_size, 0
 
-        def __init__(self):
-            self.epoch = 0
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        order = self.shards[:]
+        random.Random(self.seed + self.epoch).shuffle(order)  # the same in every process
+        mine = order[self.rank :: self.world][worker::workers]
+        rng = random.Random(f"{self.seed}-{self.epoch}-{self.rank}-{worker}")
+        buffer = []
+        for sample in self.samples(mine):
+            buffer.append(sample)
+            if len(buffer) >= self.buffer_size:
+                yield buffer.pop(rng.randrange(len(buffer)))
+        rng.shuffle(buffer)
+        yield from buffer
 
-        def __iter__(self):
-            info = torch.utils.data.get_worker_info()
-            worker, workers = (info.id, info.num_workers) if info else (0, 1)
-            rng = random.Random(args.seed + self.epoch)
-            order = shards[:]
-            rng.shuffle(order)  # a new shard order each epoch, the same in every process
-            mine = order[rank::world][worker::workers]
-            rng = random.Random(f"{args.seed}-{self.epoch}-{rank}-{worker}")
-            buffer = []
-            for sample in self.samples(mine):
-                buffer.append(sample)
-                if len(buffer) >= args.shuffle_buffer:
-                    yield buffer.pop(rng.randrange(len(buffer)))
-            rng.shuffle(buffer)
-            yield from buffer
-
-        def samples(self, files):
-            for path in files:
-                parts = {}
-                with tarfile.open(path, mode="r|") as tar:  # a stream: one sequential read
-                    for member in tar:
-                        key, _, ext = member.name.partition(".")
-                        if parts and key != parts["key"]:
-                            yield decode(parts)
-                            parts = {}
-                        parts["key"] = key
-                        parts[ext] = tar.extractfile(member).read()
-                if parts:
-                    yield decode(parts)
-
-    def decode(parts):
-        image = next(data for ext, data in parts.items() if ext in ("png", "jpg", "jpeg"))
-        pixels = np.asarray(Image.open(io.BytesIO(image)).convert("RGB"), dtype=np.float32)
-        tensor = torch.from_numpy(pixels).permute(2, 0, 1) / 127.5 - 1
-        return tensor, int(parts["cls"])
-
-    return Shards()
+    def samples(self, files):
+        for path in files:
+            parts = {}
+            with tarfile.open(path, mode="r|") as tar:  # a stream: one sequential read
+                for member in tar:
+                    key, _, ext = member.name.partition(".")
+                    if parts and key != parts["key"]:
+                        yield decode(parts)
+                        parts = {}
+                    parts["key"] = key
+                    parts[ext] = tar.extractfile(member).read()
+            if parts:
+                yield decode(parts)
 
 
-def make_model(torch, classes):
+def decode(parts):
+    """A sample's image as a float tensor in [-1, 1], and its class."""
+    image = next(data for ext, data in parts.items() if ext in ("png", "jpg", "jpeg"))
+    pixels = np.asarray(Image.open(io.BytesIO(image)).convert("RGB"), dtype=np.float32)
+    return torch.from_numpy(pixels).permute(2, 0, 1) / 127.5 - 1, int(parts["cls"])
+
+
+def make_model(classes):
     nn = torch.nn
     return nn.Sequential(
         nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
@@ -189,8 +190,6 @@ def main(argv=None):
     rank, world, local_rank = distributed_env()
     shards = list_shards(args.data_dir)
     classes = len((args.data_dir / "classes.txt").read_text().split())
-    import torch
-    import torch.distributed as dist
 
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -212,7 +211,7 @@ def main(argv=None):
         print(f"warning: {len(shards)} shards for {world} x {max(args.num_workers, 1)} readers: "
               "some read nothing; make more, smaller shards")  # fmt: skip
 
-    dataset = make_dataset(torch, shards, rank, world, args)
+    dataset = ShardDataset(shards, rank, world, args.seed, args.shuffle_buffer)
     loader = torch.utils.data.DataLoader(
         dataset,
         batch_size=args.batch_size,
@@ -220,7 +219,7 @@ def main(argv=None):
         pin_memory=use_cuda,
     )
     torch.manual_seed(args.seed)  # the same initial weights in every replica
-    model = make_model(torch, classes).to(device)
+    model = make_model(classes).to(device)
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
