@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import EXAMPLES, STALL, launch, load_example
+from conftest import EXAMPLES, STALL, launch, load_example, run
 
 # Scripts that choose a CUDA device for each process and start a process group.
 DISTRIBUTED_GPU = sorted(
@@ -101,6 +101,7 @@ def test_the_process_group_timeout_is_the_long_one(script):
 
 
 SLOW_RANK = {  # script: (processes, options)
+    "data/train_shards.py": (2, "--device cpu --data-dir shards --epochs 2 --num-workers 0"),
     "ddp/ddp.py": (2, "--device cpu --fake-data --fake-size 256 --epochs 2 --num-workers 0"),
     "fsdp/fsdp_train.py": (
         2,
@@ -139,6 +140,9 @@ def test_every_distributed_training_script_is_tried_with_a_slow_rank():
 def test_a_rank_busier_than_the_start_up_timeout_does_not_kill_the_job(script, tmp_path):
     world, options = SLOW_RANK[script]
     (tmp_path / "stall.py").write_text(STALL)
+    if "--data-dir shards" in options:  # it reads shards: make them first
+        make = [EXAMPLES / "data" / "make_shards.py", "--fake", "64", "--shard-size", "8"]
+        run([sys.executable, *make], cwd=tmp_path)
     ranks = launch(
         [sys.executable, "stall.py", EXAMPLES / script, *options.split(), "--init-timeout", "5"],
         cwd=tmp_path, world=world, STALL_SECONDS=9, timeout=180,

@@ -267,8 +267,8 @@ JOBS = {
         args=("--device", "cpu", "--epochs", "2", "--batch-size", "16"),
         prepare=(f"python {EXAMPLES}/data/make_shards.py --fake 384 --shard-size 16",),
         expect=(
-            "n1: 24 shards checked in /tmp/shards-{job_id}",
-            "n2: 24 shards checked in /tmp/shards-{job_id}",
+            "n1: 24 shards checked in /tmp/shards-{job_id}/shards",
+            "n2: 24 shards checked in /tmp/shards-{job_id}/shards",
             " to 2 node(s) in ",
             "Job {job_id}: 4 processes on n[1-2], rendezvous at n1:",
             "rank 3/4 on n2: reading 6 of 24 shards from /tmp/shards-{job_id}",
@@ -511,7 +511,13 @@ def test_scripts_pick_their_gpu_as_slurm_binds_it(cluster, tmp_path, request_gpu
 
 
 # The scripts that the job scripts' srun starts (one per task, or per torchrun worker).
-STARTED_BY_SRUN = sorted({EXAMPLES / Path(s).parent / name for s, name in SRUN_PYTHON.items()})
+def started_script(job_script, name):
+    """The example file of that name: one the job copies beside it (Job.files), else its own."""
+    files = [f for f in JOBS[job_script].files if Path(f).name == name]
+    return EXAMPLES / (files[0] if files else Path(job_script).parent / name)
+
+
+STARTED_BY_SRUN = sorted({started_script(s, name) for s, name in SRUN_PYTHON.items()})
 PICKS_A_GPU = re.compile(r'set_device\(|torch\.device\("cuda", ')
 
 

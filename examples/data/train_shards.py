@@ -76,10 +76,10 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--timeout",
-        type=positive_int,
-        default=600,
-        help="seconds a collective may wait for the other processes",
+        "--init-timeout", type=positive_int, default=60, help="seconds to start all processes"
+    )
+    parser.add_argument(
+        "--timeout", type=positive_int, default=1800, help="seconds a collective may wait"
     )
     return parser.parse_args(argv)  # fmt: skip
 
@@ -90,12 +90,15 @@ def fail(message):
 
 
 def gpu_index(local_rank, visible):
-    """The CUDA device of this process among those it sees. srun --gpus-per-task shows each
-    task one GPU (index 0); otherwise each process of a node takes its local rank's GPU."""
+    """The GPU of this process, given how many it sees: its local rank's when it sees the GPUs
+    of the whole node, device 0 when Slurm bound one GPU to the task (--gpus-per-task=1)."""
     if visible == 1:
         return 0
     if local_rank >= visible:
-        fail(f"local rank {local_rank} but only {visible} GPUs visible: one process per GPU")
+        fail(
+            f"local rank {local_rank} but {visible} GPUs visible: request one GPU per process "
+            "(--gpus-per-node equal to the processes per node, or --gpus-per-task=1)"
+        )
     return local_rank
 
 
@@ -199,14 +202,31 @@ def main(argv=None):
         torch.cuda.set_device(gpu)
     device = torch.device("cuda", gpu) if use_cuda else torch.device("cpu")
     if world > 1:
-        dist.init_process_group(
-            "nccl" if use_cuda else "gloo",
-            init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=args.timeout),
-            device_id=device if use_cuda else None,
-        )
+        address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        try:
+            # Start-up fails fast: every process must reach rank 0 within --init-timeout. Under
+            # torchrun, its agent already serves the store at MASTER_PORT: connect to it.
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                world,
+                is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
+                timeout=datetime.timedelta(seconds=args.init_timeout),
+            )
+            # The group's timeout bounds every later collective: give it minutes.
+            dist.init_process_group(
+                "nccl" if use_cuda else "gloo",
+                store=store,
+                rank=rank,
+                world_size=world,
+                timeout=datetime.timedelta(seconds=args.timeout),
+                device_id=device if use_cuda else None,
+            )
+            dist.barrier()
+        except (RuntimeError, TimeoutError) as error:
+            first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+            fail(f"rank {rank}: not all {world} processes reached {address} within "
+                 f"{args.init_timeout} s ({first_line})")  # fmt: skip
     if len(shards) < world * max(args.num_workers, 1) and rank == 0:
         print(f"warning: {len(shards)} shards for {world} x {max(args.num_workers, 1)} readers: "
               "some read nothing; make more, smaller shards")  # fmt: skip
@@ -255,9 +275,9 @@ def main(argv=None):
             processes = f"{world} processes" if world > 1 else "1 process"
             print(f"epoch {epoch}: loss {loss_sum / images_seen:.4f}, {images_seen:.0f} images, "
                   f"{images_seen / seconds:.0f} images/s ({processes})")  # fmt: skip
+    del model, optimizer  # they hold the process group: free it while Python still runs
+    gc.collect()  # and the reference cycles among them (DDP's reducer)
     if world > 1:
-        del model, optimizer  # they hold the process group: free it while Python still runs
-        gc.collect()  # and the reference cycles among them (DDP's reducer)
         dist.destroy_process_group()
 
 
