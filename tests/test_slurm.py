@@ -635,7 +635,7 @@ def test_a_damaged_shard_stops_the_job_before_training(cluster, job_env, tmp_pat
     assert "shard-000003.tar: FAILED" in info["output"], info["output"]
     assert "WARNING: 1 computed checksum did NOT match" in info["output"], info["output"]
     assert "Job " not in info["output"] and "epoch" not in info["output"], info["output"]
-    assert not list(Path("/tmp").glob(f"shards-{info['JobId']}*")), "staged copies left behind"
+    assert not Path(f"/tmp/shards-{info['JobId']}").exists(), "staged copies left behind"
 
 
 # Scripts that start a distributed job: they must choose their port per job.

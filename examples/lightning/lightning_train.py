@@ -15,6 +15,7 @@ never in a batch log.
 
 import argparse
 import datetime
+import gc
 import os
 import signal
 import subprocess
@@ -270,6 +271,12 @@ def main(argv=None):
         )
     if stop_on_signal.stopped and trainer.is_global_zero:  # all processes saved and stopped
         requeue(checkpoint, args.output_dir)
+    # Lightning leaves the process group to interpreter shutdown, where gloo sometimes aborts
+    # ("terminate called without an active exception"): free what holds it, then destroy it.
+    del trainer, loader
+    gc.collect()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
