@@ -73,7 +73,7 @@ def test_compile_needs_a_cache_folder(tmp_path):
 
 def test_second_job_starts_warm_from_the_published_cache(tmp_path, job_env):
     """compile_cache.sbatch twice, as two jobs of one user: the first compiles and publishes
-    its cache, the second starts from a copy and compiles faster; neither leaves its per-job
+    its cache, the second starts from a copy and adds nothing to it; neither leaves its per-job
     folder behind."""
     copy_example(tmp_path, "caches/compile_cache.sbatch", "caches/compile_cache.py")
     local = tmp_path / "local"
@@ -92,12 +92,11 @@ def test_second_job_starts_warm_from_the_published_cache(tmp_path, job_env):
     )
     assert f"Published the compile cache to {shared}" in cold
     assert f"Job 102: started from the shared cache {shared}" in warm
-    assert re.search(
-        r"Cache \S+/compile-102/inductor: [1-9]\d* files before, \d+ after \(warm\)", warm
-    )
+    # Warm: the job finds every compiled artefact in its copy and adds none. (Its first step
+    # is also faster, but a timing under a loaded test run is no test.)
+    counts = re.search(r"compile-102/inductor: (\d+) files before, (\d+) after \(warm\)", warm)
+    assert counts and int(counts[1]) > 0 and counts[1] == counts[2], warm
     assert "Published" not in warm
-    first_steps = [float(re.search(r"First step \(compiles\): ([\d.]+) s", o)[1]) for o in outs]
-    assert first_steps[1] < first_steps[0] / 2, outs
     assert list(local.iterdir()) == [], "a per-job cache was left on the local disk"
     assert not list(tmp_path.glob("compile-cache.*")), "a temporary copy was left behind"
     mode = subprocess.run(["stat", "-c", "%F", shared], capture_output=True, text=True).stdout
