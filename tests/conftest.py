@@ -371,6 +371,13 @@ def launch(cmd, *, cwd, world=2, launcher="srun", env=example_env, timeout=120, 
     return [(proc.returncode, *output) for proc, output in zip(procs, outputs, strict=True)]
 
 
+def make_fake_shards(folder, images=64, shard_size=8):
+    """Generated images packed into tar shards in folder/shards, as examples/data/make_shards.py
+    writes them: the data of the examples that read shards (train_shards.py)."""
+    make = [EXAMPLES / "data" / "make_shards.py", "--fake", images, "--shard-size", shard_size]
+    return run([sys.executable, *make], cwd=folder).stdout
+
+
 def load_example(path):
     """An example as a module, to test one of its functions on its own: its main() does not
     run, and no bytecode is written into examples/."""

@@ -2,7 +2,6 @@
 per-job copy of a shared torch.compile cache (compile_cache.sbatch, also under Slurm)."""
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -23,11 +22,10 @@ def clean_env(home, **extra):
     tmp = Path(home).parent / "tmp"  # Inductor's default folder is in TMPDIR
     tmp.mkdir(exist_ok=True)
     Path(home).mkdir(exist_ok=True)
-    env = example_env(HOME=home, TMPDIR=tmp, **extra)
-    for name in [*VARIABLES, "XDG_CACHE_HOME"]:
+    env = example_env(HOME=home, TMPDIR=tmp)
+    for name in [*VARIABLES, "XDG_CACHE_HOME"]:  # none of the machine's own cache settings
         env.pop(name, None)
-    env.update(extra)
-    return env
+    return {**env, **{key: str(value) for key, value in extra.items()}}
 
 
 def test_show_caches_finds_the_defaults_in_home_and_measures_them(tmp_path):
@@ -99,8 +97,7 @@ def test_second_job_starts_warm_from_the_published_cache(tmp_path, job_env):
     assert "Published" not in warm
     assert list(local.iterdir()) == [], "a per-job cache was left on the local disk"
     assert not list(tmp_path.glob("compile-cache.*")), "a temporary copy was left behind"
-    mode = subprocess.run(["stat", "-c", "%F", shared], capture_output=True, text=True).stdout
-    assert mode.strip() == "directory"
+    assert shared.is_dir()
 
 
 @pytest.mark.parametrize("option", ["--width", "--steps"])

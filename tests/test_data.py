@@ -13,7 +13,7 @@ import tarfile
 import pytest
 from recorded import check_recorded
 
-from conftest import EXAMPLES, example_env, run
+from conftest import EXAMPLES, example_env, make_fake_shards, run
 
 DATA = EXAMPLES / "data"
 SHARDS = DATA / "make_shards.py"
@@ -26,8 +26,7 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 def shards(tmp_path_factory):
     """200 generated images in 10 classes, packed into shards of 32 (the last one of 8)."""
     folder = tmp_path_factory.mktemp("data")
-    out = run([sys.executable, SHARDS, "--fake", "200", "--shard-size", "32"], cwd=folder).stdout
-    return folder, out
+    return folder, make_fake_shards(folder, images=200, shard_size=32)
 
 
 def test_make_shards_packs_every_image_once_with_checksums(shards):

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import EXAMPLES, STALL, launch, load_example, run
+from conftest import EXAMPLES, STALL, launch, load_example, make_fake_shards
 
 # Scripts that choose a CUDA device for each process and start a process group.
 DISTRIBUTED_GPU = sorted(
@@ -141,8 +141,7 @@ def test_a_rank_busier_than_the_start_up_timeout_does_not_kill_the_job(script, t
     world, options = SLOW_RANK[script]
     (tmp_path / "stall.py").write_text(STALL)
     if "--data-dir shards" in options:  # it reads shards: make them first
-        make = [EXAMPLES / "data" / "make_shards.py", "--fake", "64", "--shard-size", "8"]
-        run([sys.executable, *make], cwd=tmp_path)
+        make_fake_shards(tmp_path)
     ranks = launch(
         [sys.executable, "stall.py", EXAMPLES / script, *options.split(), "--init-timeout", "5"],
         cwd=tmp_path, world=world, STALL_SECONDS=9, timeout=180,

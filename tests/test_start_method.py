@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import EXAMPLES, activated, example_env, launch, run
+from conftest import EXAMPLES, activated, example_env, launch, make_fake_shards, run
 
 # Examples whose DataLoader can have workers (they take --num-workers): tiny options, and how
 # many processes they need (pipelines: one per stage).
@@ -31,14 +31,9 @@ WORKERS = {
     "pipeline-ddp/pipeline_ddp.py": (4, "--device cpu"),
     "preemption/preemptible.py": (1, "--device cpu --checkpoint-dir ckpt"),
 }
-# Examples that read files rather than generate data: their options instead of TINY, and the
-# command that makes their data first.
-OWN_DATA = {
-    "data/train_shards.py": (
-        "--epochs 1 --batch-size 16 --num-workers 2",
-        [EXAMPLES / "data" / "make_shards.py", "--fake", "64", "--shard-size", "8"],
-    ),
-}
+# Examples that read shards rather than generate data: their options instead of TINY (the
+# shards are made first, make_fake_shards).
+OWN_DATA = {"data/train_shards.py": "--epochs 1 --batch-size 16 --num-workers 2"}
 # Started as srun tasks (SLURM_PROCID, MASTER_ADDR, ...); the others as plain programs.
 DISTRIBUTED = {
     "data/train_shards.py",
@@ -66,10 +61,9 @@ def test_every_example_with_dataloader_workers_is_tried():
 @pytest.mark.parametrize("script", sorted(WORKERS))
 def test_dataloader_workers_start_with_forkserver(script, tmp_path, request):
     world, options = WORKERS[script]
-    tiny = TINY
     if script in OWN_DATA:
-        tiny, make_data = OWN_DATA[script]
-        run([sys.executable, *make_data], cwd=tmp_path)
+        make_fake_shards(tmp_path)
+    tiny = OWN_DATA.get(script, TINY)
     cmd = [sys.executable, EXAMPLES / script, *tiny.split(), *options.split()]
     if script in DISTRIBUTED:
         ranks = launch(cmd, cwd=tmp_path, world=world, TESTS_START_METHOD="forkserver",

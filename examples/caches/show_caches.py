@@ -95,11 +95,12 @@ def main(argv=None):
     print(f"{'cache':31} {'set by':24} {'size':>9} {'files':>7}  path")
     for what, variable, path, source in caches():
         where = variable if source != "default" else "(default)"
+        size, figures = 0, f"{'-':>9} {'-':>7}"  # no such folder yet
+        if path.exists():
+            figures = f"{'':>9} {'':>7}"  # --no-sizes
         if path.exists() and not args.no_sizes:
             size, files = measure(path)
             figures = f"{human(size):>9} {files:>7}"
-        else:
-            size, figures = 0, f"{'-':>9} {'-':>7}" if not path.exists() else f"{'':>9} {'':>7}"
         mark = ""
         if path.resolve() == home or home in path.resolve().parents:
             in_home += size
