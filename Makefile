@@ -93,11 +93,12 @@ test: venv system-packages node-packages
 
 # GPU tests. A GPU machine may reach no package registry: use the active python when it has
 # torch (and pytest), else the venv.
+# -p no:benchmark: pytest-benchmark, where installed, warns under xdist, and warnings are errors.
 test-gpu:
 	@py=$$(command -v python3); \
 	if ! $$py -c 'import torch, pytest' 2>/dev/null; then make --no-print-directory venv && py=$(VPY); fi; \
 	echo ">>> Running the GPU tests with $$py"; \
-	$$py -m pytest -m gpu -p no:cacheprovider $(PYTEST_ARGS)
+	$$py -m pytest -m gpu -p no:cacheprovider -p no:benchmark $(PYTEST_ARGS)
 
 # Only the job scripts under the tests' real Slurm cluster (needs root: it starts the daemons).
 test-slurm: venv system-packages
