@@ -275,6 +275,53 @@ JOBS = {
             "epoch 2: loss ",
         ),
     ),
+    "monitoring/gpu_usage.sbatch": Job(
+        files=("one-gpu/cnn_gpu.py", "monitoring/summarise_gpu_log.py"),
+        args=("--fake-data", "--fake-size", "64", "--epochs", "1", "--batch-size", "16"),
+        expect=(
+            "Job {job_id} on ",
+            ": sampling the GPUs every 10 s into gpu-usage-{job_id}.csv",
+            "GPU samples mean util lowest mean power most memory",
+            "Every GPU at 50% or more on average.",
+        ),
+    ),
+    "hangs/hang_demo.sbatch": Job(
+        files=("hangs/hang_demo.py",),
+        args=("--steps", "4", "--hang-at-step", "2", "--timeout", "120"),
+    ),
+    "arrays/sweep.sbatch": Job(files=("arrays/sweep_train.py",)),
+    "arrays/collect.sbatch": Job(files=("arrays/collect_results.py",)),
+    "node-check/node_check.sbatch": Job(
+        files=("node-check/node_check.py", "node-check/allreduce_bench.py"),
+        args=(
+            "--device",
+            "cpu",
+            "--matrix-size",
+            "128",
+            "--mem-fraction",
+            "0.001",
+            "--",
+            "--device",
+            "cpu",
+            "--max-bytes",
+            "1M",
+            "--iters",
+            "5",
+        ),
+        expect=(
+            "Job {job_id}: 4 processes on n[1-2], rendezvous at n1:",
+            "Node check: 4 ranks on 2 node(s), gloo, matmul 128x128, timeout 60 s",
+            "rank 0 on n1, cpu: ",
+            "rank 3 on n2, cpu: ",
+            "nodes n1 <-> n2: ",
+            "All 4 ranks on 2 nodes passed",
+            "# all_reduce (sum, float32, in place): 4 ranks on 2 node(s), gloo, cpu (",
+            "Peak bus bandwidth: ",
+            "with 4 ranks (gloo)",
+        ),
+    ),
+    "profiling/profile.sbatch": Job(files=("profiling/profile_steps.py",)),
+    "tensorboard/tensorboard.sbatch": Job(files=("tensorboard/train_tensorboard.py",)),
     "jupyter/jupyter.sbatch": Job(
         args=("--allow-root",),  # the tests' jobs run as root, which Jupyter refuses without it
         expect=(
@@ -288,6 +335,11 @@ SBATCH_SCRIPTS = sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*.
 # Job scripts that start a server and run until scancel or their time limit: the tests that
 # wait for a job to end leave them out, and each has a test of its own at the end of this file.
 SERVERS = {"jupyter/jupyter.sbatch"}
+# Job scripts with a test of their own: a job array and the job that waits for it (submitted
+# together by submit_sweep.sh), and a job that hangs on purpose (diagnosed while it hangs).
+ARRAYS = {"arrays/sweep.sbatch", "arrays/collect.sbatch"}
+HANGS = {"hangs/hang_demo.sbatch"}
+OWN_TESTS = SERVERS | ARRAYS | HANGS
 FINISHED = {"COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "OUT_OF_MEMORY", "NODE_FAIL"}
 
 
@@ -360,7 +412,7 @@ def test_every_slurm_job_script_has_a_test():
     assert sorted(JOBS) == SBATCH_SCRIPTS, "add the new job script to JOBS in tests/test_slurm.py"
 
 
-@pytest.mark.parametrize("script", [s for s in SBATCH_SCRIPTS if s not in SERVERS])
+@pytest.mark.parametrize("script", [s for s in SBATCH_SCRIPTS if s not in OWN_TESTS])
 def test_job_script_completes_under_slurm(
     cluster, job_env, tmp_path, script, record_property, request
 ):
@@ -532,7 +584,7 @@ def test_scripts_started_by_srun_pick_their_gpu_with_gpu_index(path):
     assert not PICKS_A_GPU.search(text) or path in GPU_SCRIPTS, f"{path.name}: no gpu_index()"
 
 
-@pytest.mark.parametrize("script", [s for s in SBATCH_SCRIPTS if s not in SERVERS])
+@pytest.mark.parametrize("script", [s for s in SBATCH_SCRIPTS if s not in SERVERS | ARRAYS])
 @pytest.mark.parametrize("fault", ["wrong module", "missing file"])
 def test_a_broken_job_script_fails_under_slurm(cluster, job_env, tmp_path, script, fault, request):
     job = JOBS[script]
@@ -642,7 +694,7 @@ def test_a_damaged_shard_stops_the_job_before_training(cluster, job_env, tmp_pat
 DISTRIBUTED = [
     s
     for s in SBATCH_SCRIPTS
-    if s not in SERVERS and "SLURM_JOB_ID % 10000" in (EXAMPLES / s).read_text()
+    if s not in OWN_TESTS and "SLURM_JOB_ID % 10000" in (EXAMPLES / s).read_text()
 ]
 
 
@@ -724,3 +776,99 @@ def test_jupyter_server_starts_answers_and_stops(cluster, job_env, tmp_path):
     assert re.search(r"Shutting down \d+ extensions", out), out
     assert f"Job {job_id}: stopping JupyterLab" in out, out
     assert not runtime.exists(), out
+
+
+SWEEP_FILES = tuple(
+    f"arrays/{name}"
+    for name in ("sweep.sbatch", "collect.sbatch", "submit_sweep.sh", "make_sweep.py",
+                 "sweep_train.py", "collect_results.py")
+)  # fmt: skip
+
+
+def submit_sweep(cluster, job_env, tmp_path, sweep=None):
+    """make_sweep.py (or the given sweep.csv), then submit_sweep.sh: (array id, collect id)."""
+    copy_example(tmp_path, *SWEEP_FILES)
+    env = {**job_env_for(cluster, job_env), "MAX_RUNNING": "2"}
+    if sweep is None:
+        run([sys.executable, "make_sweep.py", "--lr", "0.1", "0.01", "--batch-size", "32", "128"],
+            cwd=tmp_path, env=env)  # fmt: skip
+    else:
+        (tmp_path / "sweep.csv").write_text(sweep)
+    out = run(["bash", "submit_sweep.sh", "--epochs", "1"], cwd=tmp_path, env=env).stdout
+    ids = re.search(r"^Submitted array job (\d+) \(4 tasks\) and collect job (\d+) ", out, re.M)
+    assert ids, out
+    return ids[1], ids[2], env
+
+
+def test_a_sweep_runs_as_a_throttled_array_then_one_job_collects_it(cluster, job_env, tmp_path):
+    array, collect, env = submit_sweep(cluster, job_env, tmp_path)
+    info = wait_for(collect, env, timeout=240)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), info["output"]
+    assert info["Dependency"] == "(null)" or array in info["Dependency"]
+    table = re.findall(r"^ +(\d) +0\.0?1 +(?:32|128) +0 +[\d.]+ +[\d.]+ +[\d.]+$",
+                       info["output"], re.M)  # fmt: skip
+    assert sorted(table) == ["0", "1", "2", "3"], info["output"]
+    assert "Best: task " in info["output"]
+    for task in range(4):  # one output file per task: %A_%a
+        out = (tmp_path / f"sweep-{array}_{task}.out").read_text()
+        assert f"Array job {array}, task {task} of 0-3 on " in out, out
+        assert f"task {task}: lr=" in out, out
+    throttle = run(["scontrol", "show", "job", array], cwd=tmp_path, env=env).stdout
+    assert "ArrayTaskThrottle=2" in throttle, throttle
+
+
+def test_a_failed_task_cancels_the_collecting_job(cluster, job_env, tmp_path):
+    """afterok is never satisfied when a task fails; --kill-on-invalid-dep=yes cancels the
+    collecting job instead of leaving it pending for ever."""
+    sweep = "lr,batch_size,seed\n0.1,32,0\n0.1,64,0\nnot-a-number,32,0\n0.01,32,0\n"
+    array, collect, env = submit_sweep(cluster, job_env, tmp_path, sweep)
+    deadline = time.monotonic() + 120
+    while (info := job_info(collect, env))["JobState"] not in FINISHED:
+        assert time.monotonic() < deadline, info
+        time.sleep(0.5)
+    assert info["JobState"] == "CANCELLED", info
+    assert not (tmp_path / f"collect-{collect}.out").exists()
+    failed = (tmp_path / f"sweep-{array}_2.out").read_text()
+    assert "sweep_train.py: error: row 2 of sweep.csv needs lr, batch_size and seed" in failed
+
+
+def test_dump_stacks_shows_where_each_rank_of_a_hung_job_waits(cluster, job_env, tmp_path):
+    """The documented diagnosis: py-spy through srun --overlap on each node of the running job
+    shows rank 0 (n1) waiting in all_reduce and rank 1 (n2) in the barrier."""
+    script = "hangs/hang_demo.sbatch"
+    job = JOBS[script]
+    copy_example(tmp_path, script, "hangs/dump_stacks.sh", *job.files)
+    env = job_env_for(cluster, job_env)
+    job_id = sbatch("hang_demo.sbatch", *job.args, cwd=tmp_path, env=env)
+    output = tmp_path / f"hang-demo-{job_id}.out"
+    try:
+        deadline, out = time.monotonic() + 90, ""
+        while "rank 1: step 4 done" not in out:  # rank 1 is in the barrier now
+            assert time.monotonic() < deadline, out
+            assert job_info(job_id, env)["JobState"] not in FINISHED, out
+            time.sleep(0.5)
+            out = output.read_text() if output.exists() else ""
+        time.sleep(1)  # rank 0 has entered its last all_reduce
+        dump = run(["bash", "dump_stacks.sh", job_id], cwd=tmp_path, env=env, timeout=60).stdout
+    finally:
+        run(["scancel", job_id], cwd=tmp_path, env=env)
+    # srun --label: "0: " on the lines of the first node's task, "1: " on the second's.
+    lines = sorted(dump.splitlines(keepends=True), key=lambda line: int(line.split(":")[0]))
+    by_node = "".join(lines)
+    sections = dict(re.findall(r"^\d: === (n\d), process \d+: (.*?)(?=^\d: === |\Z)", by_node,
+                               re.M | re.S))  # fmt: skip
+    assert sorted(sections) == ["n1", "n2"], dump
+    for node, waits_in in (("n1", "all_reduce"), ("n2", "barrier")):
+        stack = sections[node]
+        assert re.match(r"\S*python hang_demo\.py --steps 4 ", stack), dump
+        assert re.search(rf"^\d: +{waits_in} \(torch/distributed/distributed_c10d\.py:\d+\)$",
+                         stack, re.M), dump  # fmt: skip
+        assert re.search(r"^\d: +main \(hang_demo\.py:\d+\)$", stack, re.M), dump
+    # The page shows this dump, each node's lines together, with the venv where a reader has it.
+    check_recorded(
+        EXAMPLES / "hangs" / "dump_stacks.out",
+        by_node.replace(str(Path(sys.executable).parent.parent), "/home/user/venvs/pytorch"),
+        volatile=[(r"(?<=[Pp]rocess )\d+|(?<=Thread )\d+", "…"), (r"\.py:\d+\)", ".py:…)"),
+                  (r"Python v.*$", "Python v…")],
+    )  # fmt: skip
+    assert wait_for(job_id, env, timeout=60)["JobState"] == "CANCELLED"

@@ -1,0 +1,74 @@
+"""Write a sweep file: one configuration per row, for the tasks of a job array.
+
+A grid tries every combination of the values given; --random N draws N configurations
+instead, the learning rate log-uniformly between the smallest and largest value given. Each
+row gets its own seed (--seeds repeats every configuration with several seeds). The last line
+printed is the array option to submit with.
+
+    python make_sweep.py --lr 0.1 0.01 --batch-size 32 128              # a grid of 4
+    python make_sweep.py --lr 0.001 0.3 --batch-size 32 128 --random 8  # 8 random draws
+"""
+
+import argparse
+import csv
+import itertools
+import math
+import random
+import sys
+from pathlib import Path
+
+
+def positive_float(text):
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number (got {text})")
+    return value
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--lr", type=positive_float, nargs="+", default=[0.1, 0.01])
+    parser.add_argument("--batch-size", type=positive_int, nargs="+", default=[32, 128])
+    parser.add_argument("--seeds", type=positive_int, default=1, help="runs per configuration")
+    parser.add_argument("--random", type=positive_int, metavar="N", help="N random draws")
+    parser.add_argument("--max-running", type=positive_int, default=4,
+                        help="tasks that may run at once (the %%N of --array)")  # fmt: skip
+    parser.add_argument("--output", type=Path, default=Path("sweep.csv"))
+    parser.add_argument("--seed", type=int, default=0, help="for --random")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.random:
+        rng = random.Random(args.seed)
+        low, high = math.log(min(args.lr)), math.log(max(args.lr))
+        configs = [(float(f"{math.exp(rng.uniform(low, high)):.3g}"), rng.choice(args.batch_size))
+                   for _ in range(args.random)]  # fmt: skip
+    else:
+        configs = list(itertools.product(args.lr, args.batch_size))
+    rows = [(lr, batch, seed) for lr, batch in configs for seed in range(args.seeds)]
+    try:
+        with args.output.open("w", newline="", encoding="utf-8") as handle:
+            writer = csv.writer(handle, lineterminator="\n")
+            writer.writerow(["lr", "batch_size", "seed"])
+            writer.writerows(rows)
+    except OSError as error:
+        sys.exit(f"make_sweep.py: error: cannot write {args.output}: {error.strerror}")
+    print(f"Wrote {len(rows)} configurations to {args.output}")
+    print(f"Slurm:       sbatch --array=0-{len(rows) - 1}%{args.max_running} sweep.sbatch")
+    print(f"Grid Engine: qsub -t 1-{len(rows)} -tc {args.max_running} sweep.qsub")
+
+
+if __name__ == "__main__":
+    main()

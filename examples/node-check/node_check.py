@@ -1,0 +1,280 @@
+"""Check every node of a job before a long run: each GPU computes, each node reaches the others.
+
+Every process (one per GPU, or a few on CPUs) multiplies two matrices on its device and checks
+the product against a float64 reference on the CPU, times it (GFLOP/s), and allocates and
+checks --mem-fraction of the device's memory. Then the processes sum their ranks with an
+all-reduce, and the first process of every node exchanges a tensor with the first process of
+every other node, one pair of nodes at a time, so that a bad link is named by its two nodes.
+Rank 0 prints one line per process and per pair of nodes, then "All N ranks on M nodes
+passed" (exit 0) or "FAILED: ..." lines (exit 1). Every wait is bounded by --timeout, so that a
+dead node ends the check instead of hanging it. Run it under torchrun (RANK, WORLD_SIZE,
+LOCAL_RANK) or as one Slurm task per GPU (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID), with
+MASTER_ADDR and MASTER_PORT set; a node's name is SLURMD_NODENAME, else its host name.
+
+    torchrun --standalone --nproc-per-node=2 node_check.py --device cpu
+    sbatch node_check.sbatch                 # then the benchmark, on every GPU of two nodes
+"""
+
+import argparse
+import datetime
+import itertools
+import os
+import socket
+import sys
+import time
+
+
+def positive_int(text):
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return int(text)
+
+
+def fraction(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value <= 0.95:
+        raise argparse.ArgumentTypeError(f"must be a number above 0 and at most 0.95 (got {text})")
+    return value
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument(
+        "--matrix-size", type=positive_int, help="default: 8192 on GPUs, 512 on CPUs"
+    )
+    parser.add_argument("--iters", type=positive_int, default=10, help="timed matmuls")
+    parser.add_argument(
+        "--mem-fraction",
+        type=fraction,
+        help="of the GPU's memory, or of the node's memory per process on CPUs (mind the "
+        "job's --mem); default: 0.5 on GPUs, 0.01 on CPUs",
+    )
+    parser.add_argument("--pair-bytes", type=positive_int, default=2**24, help="per node pair")
+    parser.add_argument("--timeout", type=positive_int, default=60, help="seconds to wait")
+    # Testing aids: make one rank compute a wrong product, or one node send wrong data.
+    parser.add_argument("--fail-rank", type=int, help="testing aid: this rank computes wrongly")
+    parser.add_argument("--fail-node", help="testing aid: this node sends wrong data")
+    return parser.parse_args(argv)
+
+
+def fail(message, code=2):
+    print(f"node_check.py: error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
+def gpu_index(local_rank, visible):
+    """The GPU of this process, given how many it sees: its local rank's when it sees the GPUs
+    of the whole node, device 0 when Slurm bound one GPU to the task (--gpus-per-task=1)."""
+    if visible == 1:
+        return 0
+    if local_rank >= visible:
+        fail(
+            f"local rank {local_rank} but {visible} GPUs visible: request one GPU per process "
+            "(--gpus-per-node equal to the processes per node, or --gpus-per-task=1)"
+        )
+    return local_rank
+
+
+def distributed_env():
+    """(rank, world size, local rank) from torchrun's variables, or else from srun's."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
+        names = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    else:
+        names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+    for name in (*names, "MASTER_ADDR", "MASTER_PORT"):
+        if name not in os.environ:
+            fail(f"{name} not set: start this script with torchrun or srun (node_check.sbatch)")
+    for name in (*names, "MASTER_PORT"):
+        if not os.environ[name].isdigit():
+            fail(f"{name}={os.environ[name]!r} is not a number")
+    rank, world, local_rank = (int(os.environ[name]) for name in names)
+    if not rank < world:
+        fail(f"rank {rank} is outside a world of {world} processes ({names[0]}, {names[1]})")
+    return rank, world, local_rank
+
+
+def check_compute(torch, device, args, wrong=False):
+    """Multiply two matrices of small integers: float32 computes their product exactly, so
+    it must equal the float64 reference. Checking P x = A (B x) for a few vectors x costs n^2
+    on the CPU instead of n^3 (Freivalds' check). Returns (problem or None, GFLOP/s)."""
+    n = args.matrix_size
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randint(-4, 5, (n, n), generator=generator, dtype=torch.float64)
+            for _ in range(2))  # fmt: skip
+    a_dev, b_dev = a.to(device, torch.float32), b.to(device, torch.float32)
+    product = a_dev @ b_dev  # warm-up, and the product that is checked
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(args.iters):
+        torch.matmul(a_dev, b_dev, out=product)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    gflops = 2 * n**3 * args.iters / (time.perf_counter() - start) / 1e9
+    if wrong:
+        product[n // 2, n // 3] += 1  # --fail-rank: one wrong element, as a faulty GPU gives
+    x = torch.randint(1, 9, (n, 2), generator=generator, dtype=torch.float64)
+    rows = (product.cpu().double() @ x != a @ (b @ x)).any(dim=1)
+    if rows.any():
+        return f"matmul {n}x{n} wrong in {int(rows.sum())} of {n} rows", gflops
+    return None, gflops
+
+
+def check_memory(torch, device, args):
+    """Allocate --mem-fraction of the device's memory, write a pattern, read it back.
+    Returns (problem or None, GiB)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+    else:
+        free = total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    nbytes = int(args.mem_fraction * total)
+    gib = nbytes / 2**30
+    if nbytes > free:  # another process holds this GPU's memory
+        return f"only {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB", gib
+    try:
+        block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        block.fill_(0xA5)
+        bad = int((block != 0xA5).sum())
+    except (RuntimeError, MemoryError) as error:  # torch.OutOfMemoryError too
+        return f"allocating {gib:.2f} GiB failed ({str(error).splitlines()[0]})", gib
+    del block
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return (f"{bad} bytes read back wrong in {gib:.2f} GiB" if bad else None), gib
+
+
+def check_pairs(torch, dist, device, hosts, rank, args):
+    """The first rank of each node exchanges --pair-bytes with the first rank of every other
+    node, pair by pair in the same order everywhere (so no send waits for a later one).
+    Returns {(node, node): (problem or None, GB/s)} for the pairs this rank took part in."""
+    nodes = list(dict.fromkeys(hosts))  # in the order of their first rank
+    leaders = [hosts.index(node) for node in nodes]
+    count = args.pair_bytes // 4 or 1
+    results = {}
+    for i, j in itertools.combinations(range(len(nodes)), 2):
+        if rank not in (leaders[i], leaders[j]):
+            continue
+        peer = leaders[j] if rank == leaders[i] else leaders[i]
+        mine = torch.full((count,), float(rank + 1), device=device)
+        if args.fail_node == hosts[rank]:
+            mine[count // 2] = 0  # --fail-node: what this node sends arrives wrong
+        theirs = torch.empty(count, device=device)
+        for _ in range(2):  # the first exchange also sets up the connection: time the second
+            start = time.perf_counter()
+            if rank == leaders[i]:  # the lower node sends first, the higher one receives first
+                dist.send(mine, peer)
+                dist.recv(theirs, peer)
+            else:
+                dist.recv(theirs, peer)
+                dist.send(mine, peer)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        gbps = 2 * count * 4 / (time.perf_counter() - start) / 1e9
+        bad = int((theirs != peer + 1).sum())
+        problem = f"{hosts[rank]} received wrong data from {hosts[peer]} ({bad} of {count})"
+        results[(nodes[i], nodes[j])] = (problem if bad else None, gbps)
+    return results
+
+
+def summary(results):
+    """Rank 0's lines, made from every rank's results, and the failures among them."""
+    lines, failures = [], []
+    for r in results:
+        problems = [p for p in (r["compute"], r["memory"], r["sum"]) if p]
+        lines.append(
+            f"rank {r['rank']} on {r['host']}, {r['device']}: {r['gflops']:.1f} "
+            f"GFLOP/s, {r['gib']:.2f} GiB checked: {'; '.join(problems) or 'ok'}"
+        )
+        failures += [f"rank {r['rank']} on {r['host']}, {r['device']}: {p}" for p in problems]
+    pairs = {}
+    for r in results:  # both nodes of a pair report it: keep a problem and the higher speed
+        for pair, (problem, gbps) in r["pairs"].items():
+            old_problem, old_gbps = pairs.get(pair, (None, gbps))
+            pairs[pair] = (old_problem or problem, max(old_gbps, gbps))  # less waiting
+    for (a, b), (problem, gbps) in sorted(pairs.items()):
+        lines.append(f"nodes {a} <-> {b}: {gbps:.2f} GB/s: {problem or 'ok'}")
+        failures += [f"nodes {a} <-> {b}: {problem}"] if problem else []
+    return lines, failures
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rank, world, local_rank = distributed_env()
+    import torch
+    import torch.distributed as dist
+
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda and not torch.cuda.is_available():
+        fail("--device cuda but no GPU is visible: request GPUs for the job "
+             "(#SBATCH --gpus-per-node=N or --gres=gpu:N)")  # fmt: skip
+    if use_cuda:
+        device = torch.device("cuda", gpu_index(local_rank, torch.cuda.device_count()))
+        torch.cuda.set_device(device)
+        name = f"cuda:{device.index} {torch.cuda.get_device_name(device)}"
+    else:
+        device, name = torch.device("cpu"), "cpu"
+    args.matrix_size = args.matrix_size or (8192 if use_cuda else 512)
+    args.mem_fraction = args.mem_fraction or (0.5 if use_cuda else 0.01)
+    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+    # (a) compute, on this process's own: nothing here waits for the others
+    compute, gflops = check_compute(torch, device, args, wrong=rank == args.fail_rank)
+    memory, gib = check_memory(torch, device, args)
+
+    # (b) communicate: each step waits at most --timeout for the others
+    stage = f"the start (all {world} ranks reaching {os.environ['MASTER_ADDR']})"
+    try:
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo",
+            init_method="env://",  # MASTER_ADDR and MASTER_PORT
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=args.timeout),
+            device_id=device if use_cuda else None,
+        )
+        stage = "the all-reduce of the ranks"
+        total = torch.tensor([rank], dtype=torch.float64, device=device)
+        dist.all_reduce(total)
+        expected = world * (world - 1) // 2
+        wrong_sum = f"sum of ranks {total.item():.0f}, not {expected}"
+        total_problem = None if total.item() == expected else wrong_sum
+        stage = "the exchange of host names"
+        hosts = [None] * world
+        dist.all_gather_object(hosts, host)
+        stage = "the exchanges between nodes"
+        pairs = check_pairs(torch, dist, device, hosts, rank, args)
+        stage = "the gathering of the results"
+        mine = dict(rank=rank, host=host, device=name, compute=compute, gflops=gflops,
+                    memory=memory, gib=gib, sum=total_problem, pairs=pairs)  # fmt: skip
+        results = [None] * world
+        dist.all_gather_object(results, mine)
+    except (RuntimeError, TimeoutError) as error:  # DistError, DistNetworkError too
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        fail(f"rank {rank} on {host}: {stage} did not complete within {args.timeout} s "
+             f"({first_line})", code=1)  # fmt: skip
+    lines, failures = summary(results)
+    if rank == 0:
+        nodes = len({r["host"] for r in results})
+        print(
+            f"Node check: {world} ranks on {nodes} node(s), {dist.get_backend()}, "
+            f"matmul {args.matrix_size}x{args.matrix_size}, timeout {args.timeout} s"
+        )
+        for line in lines:
+            print(line)
+        for failure in failures:
+            print(f"FAILED: {failure}")
+        if not failures:
+            print(f"All {world} ranks on {nodes} node{'s' if nodes > 1 else ''} passed")
+    dist.destroy_process_group()
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
