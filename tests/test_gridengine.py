@@ -27,8 +27,14 @@ JOBS = {
             "Result: PyTorch",
         ),
     ),
+    "arrays/sweep.qsub": Job(files=("arrays/sweep_train.py",)),
+    "arrays/collect.qsub": Job(files=("arrays/collect_results.py",)),
 }
 QSUB_SCRIPTS = sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*.qsub"))
+# An array job and the job that waits for it, submitted together by submit_sweep_ge.sh: a test
+# of their own at the end of this file.
+ARRAYS = {"arrays/sweep.qsub", "arrays/collect.qsub"}
+SINGLE_JOBS = [s for s in QSUB_SCRIPTS if s not in ARRAYS]
 
 
 def qsub(script, *args, cwd, env):
@@ -72,7 +78,7 @@ def test_cell_has_a_queue_with_slots_and_gpus(gridengine_cell, record_property):
     )
 
 
-@pytest.mark.parametrize("script", QSUB_SCRIPTS)
+@pytest.mark.parametrize("script", SINGLE_JOBS)
 def test_job_script_completes_under_grid_engine(cell_env, tmp_path, script, record_property):
     job = JOBS[script]
     copy_example(tmp_path, script, *job.files)
@@ -87,7 +93,7 @@ def test_job_script_completes_under_grid_engine(cell_env, tmp_path, script, reco
         assert line in output, output
 
 
-@pytest.mark.parametrize("script", QSUB_SCRIPTS)
+@pytest.mark.parametrize("script", SINGLE_JOBS)
 def test_without_its_shell_line_a_job_script_fails_under_a_stock_queue(cell_env, tmp_path, script):
     """A stock queue (shell_start_mode posix_compliant) starts the script with the queue's
     shell, /bin/csh, not with its #! line: `#$ -S /bin/bash` is what makes it run."""
@@ -105,7 +111,7 @@ def test_without_its_shell_line_a_job_script_fails_under_a_stock_queue(cell_env,
     assert "Result: PyTorch" not in output, output
 
 
-@pytest.mark.parametrize("script", QSUB_SCRIPTS)
+@pytest.mark.parametrize("script", SINGLE_JOBS)
 def test_a_broken_job_script_fails_under_grid_engine(cell_env, tmp_path, script):
     job = JOBS[script]
     copy_example(tmp_path, script, *job.files)
@@ -118,3 +124,28 @@ def test_a_broken_job_script_fails_under_grid_engine(cell_env, tmp_path, script)
     output = next(tmp_path.glob(f"*.o{job_id}")).read_text()
     assert record["exit_status"] != "0", output
     assert "unknown" in output and "Result: PyTorch" not in output, output
+
+
+def test_a_sweep_runs_as_an_array_job_then_one_job_collects_it(cell_env, tmp_path):
+    """submit_sweep_ge.sh: qsub -t 1-4 -tc 2, then qsub -hold_jid. The reader's login
+    environment (MODULEPATH, VENV) reaches both jobs through .sge_request in the folder."""
+    names = ("sweep.qsub", "collect.qsub", "submit_sweep_ge.sh", "make_sweep.py",
+             "sweep_train.py", "collect_results.py")  # fmt: skip
+    copy_example(tmp_path, *(f"arrays/{name}" for name in names))
+    variables = ",".join(f"{name}={cell_env[name]}" for name in ("MODULEPATH", "VENV"))
+    (tmp_path / ".sge_request").write_text(f"-v {variables}\n")
+    run(["python", "make_sweep.py"], cwd=tmp_path, env=cell_env)
+    out = run(["bash", "submit_sweep_ge.sh", "--epochs", "1"], cwd=tmp_path,
+              env={**cell_env, "MAX_RUNNING": "2"}).stdout  # fmt: skip
+    ids = re.search(r"^Submitted array job (\d+) \(4 tasks\) and collect job (\d+) ", out, re.M)
+    assert ids, out
+    array, collect = ids[1], ids[2]
+    record = wait_for(collect, cell_env, timeout=180)
+    output = (tmp_path / f"collect.o{collect}").read_text()
+    assert (record["failed"], record["exit_status"]) == ("0", "0"), output
+    table = re.findall(r"^ +(\d) +0\.0?1 +(?:32|128) +0 +[\d.]+ +[\d.]+ +[\d.]+$", output, re.M)
+    assert sorted(table) == ["0", "1", "2", "3"], output
+    for task in range(1, 5):  # Grid Engine counts tasks from 1: task N trains row N-1
+        out = (tmp_path / f"sweep.o{array}.{task}").read_text()
+        assert f"Job {array}, task {task} of 1-4 on " in out, out
+        assert f"task {task - 1}: lr=" in out, out

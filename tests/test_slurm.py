@@ -320,8 +320,31 @@ JOBS = {
             "with 4 ranks (gloo)",
         ),
     ),
-    "profiling/profile.sbatch": Job(files=("profiling/profile_steps.py",)),
-    "tensorboard/tensorboard.sbatch": Job(files=("tensorboard/train_tensorboard.py",)),
+    "profiling/profile.sbatch": Job(
+        files=("profiling/profile_steps.py",),
+        args=("--device", "cpu", "--steps", "5", "--batch-size", "8", "--image-size", "32"),
+        expect=(
+            "Job {job_id}: 2 processes on ",
+            "rank 0/2 on ",
+            "rank 1/2 on ",
+            "cpu (gloo): 5 steps of 8 images, recording ProfilerStep#2 to #4",
+            "Self CPU time total: ",
+            "/profiles/profile-{job_id}/: 2 (rank<N>.<timestamp>.pt.trace.json, one per process)",
+        ),
+    ),
+    "tensorboard/tensorboard.sbatch": Job(
+        files=("tensorboard/train_tensorboard.py",),
+        args=("--device", "cpu", "--epochs", "2", "--fake-size", "128", "--batch-size", "32"),
+        expect=(
+            "Job {job_id} on ",
+            "4 CPUs",
+            ", cpu: 2 epochs of 4 steps, logging to ",
+            "/runs/{job_id}-seed0",
+            "epoch 2: loss ",
+            "Event file: ",
+            "    tensorboard --logdir ",
+        ),
+    ),
     "jupyter/jupyter.sbatch": Job(
         args=("--allow-root",),  # the tests' jobs run as root, which Jupyter refuses without it
         expect=(

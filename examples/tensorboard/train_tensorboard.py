@@ -1,0 +1,177 @@
+"""Train a small CNN on generated images and log its metrics to TensorBoard event files.
+
+The event files need no server and no internet while the job runs: they land in
+<output-dir>/runs/<job id>-<run name>/ ("local-..." outside Slurm), one folder per run, and
+TensorBoard reads them later, from a login node or your own computer. The script logs the loss
+and learning rate of every step and the images/s of every epoch, then prints the command that
+shows them.
+
+    python train_tensorboard.py
+    sbatch tensorboard.sbatch                  # one task; the runs land in the submission folder
+"""
+
+import argparse
+import getpass
+import math
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.tensorboard import SummaryWriter
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more (got {text})")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number (got {text})")
+    return value
+
+
+def run_name(text):
+    if not text or "/" in text or text.startswith("."):
+        raise argparse.ArgumentTypeError(f"must be a plain folder name (got {text!r})")
+    return text
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--epochs", type=positive_int, default=3)
+    parser.add_argument("--batch-size", type=positive_int, default=64)
+    parser.add_argument("--lr", type=positive_float, default=0.05, help="at the start")
+    parser.add_argument("--fake-size", type=positive_int, default=2048, help="images generated")
+    parser.add_argument("--num-workers", type=non_negative_int, default=2)
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--output-dir", type=Path, default=Path("."))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--run-name", type=run_name, help="the run's folder after the job id (default: seed<N>)"
+    )
+    return parser.parse_args(argv)
+
+
+def fail(message):
+    print(f"train_tensorboard.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def run_dir(output_dir, name):
+    """<output-dir>/runs/<job>-<name>: unique per job and per array task."""
+    if "SLURM_ARRAY_JOB_ID" in os.environ:  # 1234_7: the array's id and this task's index
+        job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    else:
+        job = os.environ.get("SLURM_JOB_ID", "local")
+    return (output_dir / "runs" / f"{job}-{name}").resolve()
+
+
+def make_model(classes=10):
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4),
+        nn.Flatten(), nn.Linear(64 * 4 * 4, classes),
+    )  # fmt: skip
+
+
+def train_epoch(model, loader, optimizer, scheduler, device, writer, step):
+    """One epoch; logs each step's loss and learning rate. Returns (mean loss, images, step)."""
+    losses, rates, images_seen = [], [], 0
+    for images, labels in loader:
+        images = images.to(device, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
+        loss = torch.nn.functional.cross_entropy(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        rates.append(scheduler.get_last_lr()[0])
+        scheduler.step()
+        losses.append(loss.detach())  # on the device: no sync in the loop
+        images_seen += len(labels)
+    for i, (loss, lr) in enumerate(zip(torch.stack(losses).tolist(), rates, strict=True)):
+        writer.add_scalar("train/loss", loss, step + i)
+        writer.add_scalar("train/lr", lr, step + i)
+    return sum(losses).item() / len(losses), images_seen, step + len(losses)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        fail("--device cuda but no GPU is visible: request one (e.g. #SBATCH --gpus-per-node=1)")
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if use_cuda else "cpu")
+    if args.fake_size < args.batch_size:
+        fail(f"--fake-size {args.fake_size} is smaller than one batch of {args.batch_size}")
+
+    generator = torch.Generator().manual_seed(args.seed)
+    images = torch.randn(args.fake_size, 3, 32, 32, generator=generator)
+    labels = torch.randint(0, 10, (args.fake_size,), generator=generator)
+    # Learnable: each class adds its own pattern to the noise.
+    images += torch.randn(10, 3, 32, 32, generator=generator)[labels]
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(images, labels),
+        batch_size=args.batch_size,
+        shuffle=True,
+        num_workers=args.num_workers,
+        pin_memory=use_cuda,
+        drop_last=True,
+        generator=generator,
+    )
+    torch.manual_seed(args.seed)
+    model = make_model().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, args.epochs * len(loader))
+
+    log_dir = run_dir(args.output_dir, args.run_name or f"seed{args.seed}")
+    if log_dir.exists():  # a requeued job adds to its run; TensorBoard shows one run
+        print(f"note: {log_dir} exists: this run's events are added to it")
+    writer = SummaryWriter(log_dir=str(log_dir))
+    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    print(f"{host}, {device.type}: {args.epochs} epochs of {len(loader)} steps, logging to "
+          f"{log_dir}")  # fmt: skip
+    step = 0
+    for epoch in range(1, args.epochs + 1):
+        start = time.perf_counter()
+        loss, images_seen, step = train_epoch(
+            model, loader, optimizer, scheduler, device, writer, step
+        )
+        rate = images_seen / (time.perf_counter() - start)
+        if not math.isfinite(loss):
+            fail(f"loss is {loss} in epoch {epoch}: try a lower --lr")
+        writer.add_scalar("epoch/loss", loss, epoch)
+        writer.add_scalar("epoch/images_per_s", rate, epoch)
+        writer.flush()  # on disk now: a job that ends early still has its curves
+        print(f"epoch {epoch}: loss {loss:.4f}, {rate:.0f} images/s")
+    writer.close()
+
+    events = sorted(log_dir.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
+    if not events:
+        fail(f"no event file in {log_dir}")
+    port = 16000 + os.getuid() % 10000  # your own port: two users on a login node differ
+    print(f"Event file: {events[-1]}")
+    print("View the runs on a login node (the port comes from your user id):")
+    print(f"    tensorboard --logdir {log_dir.parent} --port {port}")
+    print(f"On your own computer, a tunnel to that login node, then http://localhost:{port}:")
+    print(f"    ssh -N -L {port}:localhost:{port} {getpass.getuser()}@<login node>")
+
+
+if __name__ == "__main__":
+    main()
