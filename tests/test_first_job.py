@@ -64,7 +64,8 @@ def test_every_sbatch_directive_is_commented_and_short():
 
 
 def test_grid_engine_directives_are_valid_options():
-    known = {"-S", "-N", "-cwd", "-j", "-l", "-pe", "-o", "-e", "-q", "-P", "-V", "-m", "-M"}
+    known = {"-S", "-N", "-cwd", "-j", "-l", "-pe", "-o", "-e", "-q", "-P", "-V", "-m", "-M",
+             "-t", "-tc", "-hold_jid"}  # fmt: skip
     for script in sorted(EXAMPLES.rglob("*.qsub")):
         directives = [
             line.split()[1:] for line in script.read_text().splitlines() if line.startswith("#$")

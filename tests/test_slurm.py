@@ -168,7 +168,7 @@ JOBS = {
         args=("--quick", "--device", "cpu", "--precisions", "float", "--output-dir", "results"),
         expect=(
             "Job {job_id} on ",
-            "name,driver_version,clocks.max.sm,power.limit",
+            "name, driver_version, clocks.max.sm [MHz], power.limit [W]",
             "resnet18          train     float ",
             "Wrote 2 rows to results/resnet_benchmark.csv",
         ),

@@ -30,10 +30,16 @@ WORKERS = {
     "pipeline/pipeline.py": (2, "--device cpu"),
     "pipeline-ddp/pipeline_ddp.py": (4, "--device cpu"),
     "preemption/preemptible.py": (1, "--device cpu --checkpoint-dir ckpt"),
+    "profiling/profile_steps.py": (1, "--device cpu --output-dir out"),
+    "tensorboard/train_tensorboard.py": (1, "--device cpu --output-dir out"),
 }
-# Examples that read shards rather than generate data: their options instead of TINY (the
-# shards are made first, make_fake_shards).
-OWN_DATA = {"data/train_shards.py": "--epochs 1 --batch-size 16 --num-workers 2"}
+# Examples with options of their own instead of TINY: one reads shards (made first with
+# make_fake_shards), the others have no --fake-data (they only generate data).
+OWN_DATA = {
+    "data/train_shards.py": "--epochs 1 --batch-size 16 --num-workers 2",
+    "profiling/profile_steps.py": "--steps 5 --batch-size 8 --image-size 32 --num-workers 2",
+    "tensorboard/train_tensorboard.py": "--fake-size 64 --epochs 1 --batch-size 16 --num-workers 2",
+}
 # Started as srun tasks (SLURM_PROCID, MASTER_ADDR, ...); the others as plain programs.
 DISTRIBUTED = {
     "data/train_shards.py",
@@ -61,7 +67,7 @@ def test_every_example_with_dataloader_workers_is_tried():
 @pytest.mark.parametrize("script", sorted(WORKERS))
 def test_dataloader_workers_start_with_forkserver(script, tmp_path, request):
     world, options = WORKERS[script]
-    if script in OWN_DATA:
+    if "--data-dir shards" in WORKERS[script][1]:
         make_fake_shards(tmp_path)
     tiny = OWN_DATA.get(script, TINY)
     cmd = [sys.executable, EXAMPLES / script, *tiny.split(), *options.split()]

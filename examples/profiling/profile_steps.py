@@ -75,6 +75,12 @@ def parse_args(argv=None):
     parser.add_argument("--image-size", type=positive_int, default=64, help="pixels per side")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--output-dir", type=Path, default=Path("."))
+    parser.add_argument(
+        "--init-timeout", type=positive_int, default=60, help="seconds to start all processes"
+    )
+    parser.add_argument(
+        "--timeout", type=positive_int, default=1800, help="seconds a collective may wait"
+    )
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
 
@@ -171,13 +177,32 @@ def main(argv=None):
         torch.cuda.set_device(gpu_index(local_rank, torch.cuda.device_count()))
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     if world > 1:
-        dist.init_process_group(
-            "nccl" if use_cuda else "gloo",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(minutes=5),
-            device_id=device if use_cuda else None,
-        )
+        address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        try:
+            # Start-up fails fast (--init-timeout); the group's timeout bounds every collective.
+            # Under torchrun, its agent already serves the store at MASTER_PORT: connect to it.
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                world,
+                is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
+                timeout=datetime.timedelta(seconds=args.init_timeout),
+            )
+            dist.init_process_group(
+                "nccl" if use_cuda else "gloo",
+                store=store,
+                rank=rank,
+                world_size=world,
+                timeout=datetime.timedelta(seconds=args.timeout),
+                device_id=device if use_cuda else None,
+            )
+            dist.barrier()  # returns only once all processes have joined
+        except (RuntimeError, TimeoutError) as error:  # DistNetworkError and DistStoreError too
+            first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+            fail(
+                f"rank {rank}: not all {world} processes reached {address} within "
+                f"{args.init_timeout} s ({first_line})"
+            )
 
     # Generated images: enough for every step of every process.
     generator = torch.Generator().manual_seed(args.seed)
