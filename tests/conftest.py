@@ -34,6 +34,8 @@ SOURCE = ROOT / "source"
 LOCALE = ROOT / "locale"
 TESTS = ROOT / "tests"
 SHIM = TESTS / "shim"
+# torchrun with the tests' Python, on one node (it picks a free port itself).
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 VERSIONS = tomllib.loads((ROOT / "versions.toml").read_text(encoding="utf-8"))
 LANGUAGES = ["en", "zh_CN", "ja", "fr"]
 TRANSLATIONS = LANGUAGES[1:]

@@ -13,13 +13,12 @@ import tarfile
 import pytest
 from recorded import check_recorded
 
-from conftest import EXAMPLES, example_env, make_fake_shards, run
+from conftest import EXAMPLES, TORCHRUN, example_env, make_fake_shards, run
 
 DATA = EXAMPLES / "data"
 SHARDS = DATA / "make_shards.py"
 TRAIN = DATA / "train_shards.py"
 BENCHMARK = DATA / "read_benchmark.py"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
 @pytest.fixture(scope="module")

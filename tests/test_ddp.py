@@ -8,11 +8,10 @@ import time
 import pytest
 import torch
 
-from conftest import EXAMPLES, epoch_losses, example_env, free_port, launch, run
+from conftest import EXAMPLES, TORCHRUN, epoch_losses, example_env, free_port, launch, run
 
 DDP = EXAMPLES / "ddp" / "ddp.py"
 SCALING = EXAMPLES / "ddp" / "ddp_scaling.py"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 TINY = ["--device", "cpu", "--fake-data", "--fake-size", "1024", "--epochs", "3"]
 
 

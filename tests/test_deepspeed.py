@@ -16,6 +16,7 @@ from conftest import (
     EXAMPLES,
     HAS_CUDA,
     TORCH_EXTENSIONS,
+    TORCHRUN,
     epoch_losses,
     example_env,
     free_port,
@@ -29,7 +30,6 @@ LIGHTNING = DS / "lightning_deepspeed.py"
 ZERO3 = DS / "ds_zero3.json"
 OFFLOAD_CPU = DS / "ds_zero3_offload_cpu.json"
 OFFLOAD_NVME = DS / "ds_zero3_offload_nvme.json"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 TINY = ["--device", "cpu", "--fake-size", "512", "--width", "64", "--layers", "2",
         "--epochs", "3", "--lr", "0.01"]  # fmt: skip
 HEADER = "2 processes, cpu (gloo), ZeRO stage 3, 8,970 parameters, optimizer"

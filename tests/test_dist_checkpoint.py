@@ -10,12 +10,20 @@ import pytest
 import torch
 from recorded import check_recorded
 
-from conftest import EXAMPLES, epoch_losses, example_env, free_port, launch, load_example, run
+from conftest import (
+    EXAMPLES,
+    TORCHRUN,
+    epoch_losses,
+    example_env,
+    free_port,
+    launch,
+    load_example,
+    run,
+)
 
 FOLDER = EXAMPLES / "dist-checkpoint"
 DDP = FOLDER / "ddp_checkpoint.py"
 FSDP = FOLDER / "fsdp_dcp.py"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 DDP_TINY = ["--device", "cpu", "--fake-data", "--fake-size", "512", "--num-workers", "0"]
 FSDP_TINY = [*DDP_TINY, "--width", "64", "--blocks", "2"]
 

@@ -7,10 +7,9 @@ import time
 import pytest
 import torch
 
-from conftest import EXAMPLES, epoch_losses, example_env, free_port, launch, run
+from conftest import EXAMPLES, TORCHRUN, epoch_losses, example_env, free_port, launch, run
 
 FSDP = EXAMPLES / "fsdp" / "fsdp_train.py"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 TINY = ["--device", "cpu", "--fake-data", "--fake-size", "512", "--epochs", "2",
         "--width", "128", "--blocks", "2", "--num-workers", "0"]  # fmt: skip
 # 3072 * 128 + 128 inputs, 2 blocks of 132,224, a LayerNorm of 256, a head of 1,290

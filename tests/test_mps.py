@@ -4,10 +4,9 @@ import sys
 
 import pytest
 
-from conftest import EXAMPLES, epoch_losses, run
+from conftest import EXAMPLES, TORCHRUN, epoch_losses, run
 
 MPS_DDP = EXAMPLES / "mps" / "mps_ddp.py"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 
 
 def losses(out):

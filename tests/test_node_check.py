@@ -11,12 +11,11 @@ import time
 import pytest
 import torch
 
-from conftest import EXAMPLES, HAS_CUDA, example_env, free_port, launch, run
+from conftest import EXAMPLES, HAS_CUDA, TORCHRUN, example_env, free_port, launch, run
 
 FOLDER = EXAMPLES / "node-check"
 CHECK = FOLDER / "node_check.py"
 BENCH = FOLDER / "allreduce_bench.py"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 TINY_CHECK = ["--device", "cpu", "--matrix-size", "64", "--mem-fraction", "0.001",
               "--pair-bytes", "4096"]  # fmt: skip
 TINY_BENCH = ["--device", "cpu", "--min-bytes", "4K", "--max-bytes", "64K", "--warmup", "1",

@@ -9,11 +9,19 @@ import time
 import pytest
 import torch
 
-from conftest import EXAMPLES, copy_example, epoch_losses, example_env, free_port, launch, run
+from conftest import (
+    EXAMPLES,
+    TORCHRUN,
+    copy_example,
+    epoch_losses,
+    example_env,
+    free_port,
+    launch,
+    run,
+)
 
 PIPELINE = EXAMPLES / "pipeline" / "pipeline.py"
 PIPELINE_DDP = EXAMPLES / "pipeline-ddp" / "pipeline_ddp.py"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 TINY = ["--device", "cpu", "--fake-data", "--fake-size", "512", "--epochs", "3",
         "--num-workers", "0"]  # fmt: skip
 

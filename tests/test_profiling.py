@@ -10,11 +10,10 @@ import sys
 import pytest
 from recorded import check_recorded
 
-from conftest import EXAMPLES, HAS_CUDA, example_env, launch, run
+from conftest import EXAMPLES, HAS_CUDA, TORCHRUN, example_env, launch, run
 
 FOLDER = EXAMPLES / "profiling"
 PROFILE = FOLDER / "profile_steps.py"
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 TINY = ["--steps", "5", "--batch-size", "8", "--image-size", "32", "--num-workers", "1"]
 LABELS = {"data", "forward", "backward", "optimizer"}
 # The profiler skips step 0, warms up on step 1 and records steps 2 to 4.
