@@ -141,7 +141,8 @@ def check_memory(torch, device, args):
     try:
         block = torch.empty(nbytes, dtype=torch.uint8, device=device)
         block.fill_(0xA5)
-        bad = int((block != 0xA5).sum())
+        # Compare in 256 MiB pieces: a comparison of the whole block would need as much again.
+        bad = sum(int((piece != 0xA5).sum()) for piece in block.split(2**28))
     except (RuntimeError, MemoryError) as error:  # torch.OutOfMemoryError too
         return f"allocating {gib:.2f} GiB failed ({str(error).splitlines()[0]})", gib
     del block

@@ -1,10 +1,14 @@
 #!/bin/bash
 # The GPU evidence in one call of the device tool (see ../shared/notes/gpu.md): the GPU test
 # suite, then the measurements the pages show, each under its own time limit, all written to
-# OUTPUT_DIR. Copy what comes back to tests/records/gpu-run-<date>/ and tests/records/gpu.json.
+# OUTPUT_DIR/gpu-evidence.tgz (the device tool brings back at most 8 files, so everything travels
+# in one archive). Unpack it into tests/records/gpu-run-<date>/ and copy its gpu.json to
+# tests/records/gpu.json.
 # Usage: bash tests/tools/gpu_evidence.sh OUTPUT_DIR [SECONDS_FOR_THE_TESTS]
 set -u -o pipefail
-out=${1:?usage: gpu_evidence.sh OUTPUT_DIR [SECONDS_FOR_THE_TESTS]}
+archive=${1:?usage: gpu_evidence.sh OUTPUT_DIR [SECONDS_FOR_THE_TESTS]}/gpu-evidence.tgz
+out=$(mktemp -d)
+trap 'tar czf "$archive" -C "$out" . && rm -rf "$out"' EXIT
 test_budget=${2:-300}
 examples=$PWD/examples
 export PYTHONUNBUFFERED=1
