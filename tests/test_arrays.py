@@ -83,14 +83,23 @@ def test_collecting_names_the_tasks_without_a_result(sweep):
         ([], {}, "not an array task: pass --task N, or submit with sbatch --array / qsub -t"),
         (["--task", "4"], {}, "task 4, but sweep.csv has 4 rows (tasks 0 to 3)"),
         ([], {"SLURM_ARRAY_TASK_ID": "x"}, "SLURM_ARRAY_TASK_ID='x' is not a task number"),
-        (["--task", "0", "--sweep", "none.csv"], {},
-         "no sweep file none.csv: write it with make_sweep.py first"),
+        ([], {"SGE_TASK_ID": "0"}, "SGE_TASK_ID='0' is not a task number"),
     ],
 )  # fmt: skip
-def test_bad_task_or_sweep_file_is_one_line(sweep, args, env, message):
+def test_bad_task_is_one_line(sweep, args, env, message):
     folder, _ = sweep
     proc = run([sys.executable, TRAIN, *args], cwd=folder, env=example_env(**env), expect_rc=1)
     assert proc.stderr == f"sweep_train.py: error: {message}\n"
+
+
+@pytest.mark.parametrize("script", [TRAIN, COLLECT], ids=lambda path: path.name)
+def test_a_missing_sweep_file_is_a_usage_error(sweep, script):
+    folder, _ = sweep
+    proc = run([sys.executable, script, "--sweep", "none.csv"], cwd=folder, expect_rc=2)
+    assert proc.stderr.splitlines()[-1] == (
+        f"{script.name}: error: argument --sweep: no sweep file none.csv: write it with "
+        "make_sweep.py first"
+    )
 
 
 def test_a_diverging_configuration_fails_its_task(sweep):

@@ -114,7 +114,7 @@ def test_too_few_shards_for_the_readers_is_a_warning(shards, tmp_path):
         ([], {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"},
          "MASTER_PORT not set: start this script with torchrun or srun"),
         ([], {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-              "MASTER_PORT": "abc"}, "MASTER_PORT='abc' is not a number"),
+              "MASTER_PORT": "abc"}, "MASTER_PORT='abc' is not a whole number"),
     ],
 )  # fmt: skip
 def test_train_from_shards_rejects_bad_input_in_one_line(tmp_path, args, env, message):

@@ -52,18 +52,24 @@ def test_a_cut_last_line_and_missing_values_are_skipped(tmp_path):
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        (None, "cannot read gpu-usage.csv: No such file or directory"),
         ("", "gpu-usage.csv has no header with an index column"),
         ("timestamp, index, utilization.gpu [%]\n",
          "gpu-usage.csv holds no sample: did the job end before nvidia-smi's first one?"),
     ],
 )  # fmt: skip
-def test_a_missing_or_empty_log_is_one_line(tmp_path, content, message):
-    if content is not None:
-        (tmp_path / "gpu-usage.csv").write_text(content)
+def test_an_empty_log_is_one_line(tmp_path, content, message):
+    (tmp_path / "gpu-usage.csv").write_text(content)
     proc = run([sys.executable, SUMMARISE, "gpu-usage.csv"], cwd=tmp_path, expect_rc=1)
     assert proc.stderr.startswith(f"summarise_gpu_log.py: error: {message}"), proc.stderr
     assert proc.stderr.count("\n") == 1
+
+
+def test_a_missing_log_is_a_usage_error(tmp_path):
+    proc = run([sys.executable, SUMMARISE, "gpu-usage.csv"], cwd=tmp_path, expect_rc=2)
+    assert proc.stderr.splitlines()[-1] == (
+        "summarise_gpu_log.py: error: argument log: no log gpu-usage.csv: write one with "
+        "nvidia-smi --query-gpu=... --format=csv -l N (gpu_usage.sbatch does)"
+    ), proc.stderr
 
 
 def test_without_the_hang_every_rank_finishes(tmp_path):

@@ -11,10 +11,31 @@ the exit status is 1: rerun that task alone (sbatch --array=N sweep.sbatch) and 
 import argparse
 import csv
 import json
+import os
 import sys
 from pathlib import Path
 
 COLUMNS = ["task", "lr", "batch_size", "seed", "val_loss", "val_accuracy", "seconds"]
+
+
+def existing_file(text):
+    """An input file that must exist: here the sweep file."""
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"no sweep file {path}: write it with make_sweep.py first")
+    return path
+
+
+def writable_dir(text):
+    """An output folder: created if needed; the reason given when it cannot be."""
+    path = Path(text)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot create {path}: {error.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write to {path}: permission denied")
+    return path
 
 
 def parse_args(argv=None):
@@ -22,15 +43,13 @@ def parse_args(argv=None):
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--sweep", type=Path, default=Path("sweep.csv"))
-    parser.add_argument("--results", type=Path, default=Path("results"))
+    parser.add_argument("--sweep", type=existing_file, default="sweep.csv")
+    parser.add_argument("--results", type=writable_dir, default="results")
     return parser.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    if not args.sweep.is_file():
-        sys.exit(f"collect_results.py: error: no sweep file {args.sweep}")
     with args.sweep.open(newline="", encoding="utf-8") as handle:
         tasks = range(len(list(csv.DictReader(handle))))
     results, missing = [], []
@@ -58,4 +77,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("collect_results.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

@@ -13,6 +13,7 @@ import argparse
 import csv
 import itertools
 import math
+import os
 import random
 import sys
 from pathlib import Path
@@ -20,8 +21,8 @@ from pathlib import Path
 
 def positive_float(text):
     value = float(text)
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number (got {text})")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0 (got {text})")
     return value
 
 
@@ -30,6 +31,29 @@ def positive_int(text):
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
     return value
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more (got {text})")
+    return value
+
+
+def writable_file(text):
+    """An output file: its folder is created if needed; it cannot be a folder itself."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a folder, not a file")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(
+            f"cannot create the folder {path.parent}: {error.strerror}"
+        ) from None
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write to {path.parent}: permission denied")
+    return path
 
 
 def parse_args(argv=None):
@@ -43,8 +67,8 @@ def parse_args(argv=None):
     parser.add_argument("--random", type=positive_int, metavar="N", help="N random draws")
     parser.add_argument("--max-running", type=positive_int, default=4,
                         help="tasks that may run at once (the %%N of --array)")  # fmt: skip
-    parser.add_argument("--output", type=Path, default=Path("sweep.csv"))
-    parser.add_argument("--seed", type=int, default=0, help="for --random")
+    parser.add_argument("--output", type=writable_file, default="sweep.csv")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="for --random")
     return parser.parse_args(argv)
 
 
@@ -71,4 +95,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("make_sweep.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

@@ -42,19 +42,41 @@ def positive_int(text):
     return value
 
 
+def existing_file(text):
+    """An input file that must exist: here the sweep file."""
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"no sweep file {path}: write it with make_sweep.py first")
+    return path
+
+
+def writable_dir(text):
+    """An output folder: created if needed; the reason given when it cannot be."""
+    path = Path(text)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot create {path}: {error.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write to {path}: permission denied")
+    return path
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--sweep", type=Path, default=Path("sweep.csv"), help="from make_sweep.py")
+    parser.add_argument(
+        "--sweep", type=existing_file, default=Path("sweep.csv"), help="from make_sweep.py"
+    )
     parser.add_argument(
         "--task",
         type=non_negative_int,
         help="row of the sweep file, from 0; default: the array task",
     )
     parser.add_argument("--epochs", type=positive_int, default=3)
-    parser.add_argument("--output-dir", type=Path, default=Path("results"))
+    parser.add_argument("--output-dir", type=writable_dir, default="results")
     return parser.parse_args(argv)
 
 
@@ -65,14 +87,14 @@ def task_number(args):
     for name, first in (("SLURM_ARRAY_TASK_ID", 0), ("SGE_TASK_ID", 1)):
         value = os.environ.get(name, "")
         if value and value != "undefined":  # Grid Engine sets "undefined" outside arrays
-            if not value.isdigit():
+            if not value.isdecimal() or int(value) < first:
                 fail(f"{name}={value!r} is not a task number")
             return int(value) - first
     fail("not an array task: pass --task N, or submit with sbatch --array / qsub -t")
 
 
 def read_row(path, task):
-    if not path.is_file():
+    if not path.is_file():  # the default; a --sweep given is checked when parsed
         fail(f"no sweep file {path}: write it with make_sweep.py first")
     with path.open(newline="", encoding="utf-8") as handle:
         rows = list(csv.DictReader(handle))
@@ -149,4 +171,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("sweep_train.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

@@ -17,6 +17,7 @@ An existing CSV is appended to, so runs on several GPUs can be collected in one 
 
 import argparse
 import csv
+import math
 import os
 import shlex
 import statistics
@@ -35,6 +36,48 @@ COLUMNS = [
     "image_size", "channels_last", "steps", "median_ms", "q1_ms", "q3_ms", "images_per_s",
     "command",
 ]  # fmt: skip
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more (got {text})")
+    return value
+
+
+def timed_steps(text):
+    value = int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(
+            f"must be at least 2: the spread needs two timings (got {text})"
+        )
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0 (got {text})")
+    return value
+
+
+def writable_dir(text):
+    """An output folder: created if needed; the reason given when it cannot be."""
+    path = Path(text)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot create {path}: {error.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write to {path}: permission denied")
+    return path
 
 
 def comma_list(choices):
@@ -58,14 +101,16 @@ def parse_args(argv=None):
     parser.add_argument("--modes", type=comma_list(["train", "inference"]),
                         default=["train", "inference"])  # fmt: skip
     parser.add_argument("--precisions", type=comma_list(PRECISIONS), default=PRECISIONS[:4])
-    parser.add_argument("--batch-size", type=int, default=12, help="images per step")
-    parser.add_argument("--image-size", type=int, default=224, help="height and width")
-    parser.add_argument("--warmup", type=int, default=10, help="untimed steps per case")
-    parser.add_argument("--steps", type=int, default=50, help="timed steps per case")
-    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--batch-size", type=positive_int, default=12, help="images per step")
+    parser.add_argument("--image-size", type=positive_int, default=224, help="height and width")
+    parser.add_argument(
+        "--warmup", type=non_negative_int, default=10, help="untimed steps per case"
+    )
+    parser.add_argument("--steps", type=timed_steps, default=50, help="timed steps per case")
+    parser.add_argument("--lr", type=positive_float, default=0.01)
     parser.add_argument("--channels-last", action="store_true", help="NHWC memory format")
-    parser.add_argument("--output-dir", type=Path, default=Path("."))
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-dir", type=writable_dir, default=".")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument(
         "--quick", action="store_true", help="resnet18, 32x32 images, batches of 2: a smoke test"
     )
@@ -73,8 +118,9 @@ def parse_args(argv=None):
     if args.quick:
         args.models, args.batch_size, args.image_size = ["resnet18"], 2, 32
         args.warmup, args.steps = 1, 2
-    if args.steps < 2:
-        parser.error("--steps must be at least 2 (the spread needs two timings)")
+    if "train" in args.modes and args.batch_size == 1 and args.image_size <= 32:
+        parser.error("training on one image of 32x32 or less leaves batch norm one value per "
+                     "channel: raise --batch-size or --image-size")  # fmt: skip
     return args
 
 
@@ -181,7 +227,6 @@ def main(argv=None):
     print(f"batch {args.batch_size}, {args.image_size}x{args.image_size} images, "
           f"{args.warmup} warm-up and {args.steps} timed steps per case")  # fmt: skip
 
-    args.output_dir.mkdir(parents=True, exist_ok=True)
     output = args.output_dir / "resnet_benchmark.csv"
     rows = []
     for model_name in args.models:
@@ -212,4 +257,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("resnet_benchmark.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

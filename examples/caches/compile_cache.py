@@ -50,6 +50,11 @@ def main(argv=None):
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         fail("TORCHINDUCTOR_CACHE_DIR is not set: point it at the cache to use (see the page)")
     cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    for part in (cache, *cache.parents):  # a folder, or one to be made: not under a file
+        if part.exists():
+            if not part.is_dir():
+                fail(f"TORCHINDUCTOR_CACHE_DIR={cache}: {part} is a file, not a folder")
+            break
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -86,4 +91,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("compile_cache.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

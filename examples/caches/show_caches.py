@@ -12,6 +12,7 @@ cache_env.sh) to move the caches to project or scratch space.
 import argparse
 import getpass
 import os
+import sys
 import tempfile
 from pathlib import Path
 
@@ -111,4 +112,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("show_caches.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

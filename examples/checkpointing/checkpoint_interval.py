@@ -11,15 +11,42 @@ system your checkpoints go to, with the size of your checkpoint (model, optimize
 """
 
 import argparse
+import contextlib
 import math
 import os
 import platform
 import shlex
+import signal
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0 (got {text})")
+    return value
+
+
+def folder_path(text):
+    """A folder that may not exist yet, but cannot be a file or lie under one."""
+    path = Path(text)
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                raise argparse.ArgumentTypeError(f"{part} is a file, not a folder")
+            break
+    return path
 
 
 def parse_args(argv=None):
@@ -28,19 +55,38 @@ def parse_args(argv=None):
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     scratch = os.environ.get("SLURM_TMPDIR", "/tmp")
-    parser.add_argument("--dir", type=Path, default=Path(scratch), help="file system to test")
-    parser.add_argument("--size-mb", type=int, default=1024, help="checkpoint size")
-    parser.add_argument("--repeats", type=int, default=3, help="writes, median taken")
     parser.add_argument(
-        "--mtbf-hours", type=float, required=True, help="mean time between failures of one node"
+        "--dir", type=folder_path, default=Path(scratch), help="file system to test"
     )
-    parser.add_argument("--nodes", type=int, default=1, help="nodes of the job")
+    parser.add_argument("--size-mb", type=positive_int, default=1024, help="checkpoint size")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="writes, median taken")
+    parser.add_argument(
+        "--mtbf-hours",
+        type=positive_float,
+        required=True,
+        help="mean time between failures of one node",
+    )
+    parser.add_argument("--nodes", type=positive_int, default=1, help="nodes of the job")
     return parser.parse_args(argv)
 
 
 def fail(message):
     print(f"checkpoint_interval.py: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+@contextlib.contextmanager
+def ctrl_c_waits():
+    """Ctrl-C (SIGINT) during the block takes effect after it: torch.save is not cut short
+    (which would end in a RuntimeError, not in KeyboardInterrupt)."""
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught and callable(previous):
+        previous(signal.SIGINT, None)  # Python's own handler raises KeyboardInterrupt
 
 
 def file_system(folder):
@@ -85,7 +131,10 @@ def main(argv=None):
     chunks = max(1, args.size_mb // 64)
     state = {f"tensor{i}": torch.rand(args.size_mb * 2**20 // 4 // chunks) for i in range(chunks)}
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="checkpoint-interval-") as folder:
-        seconds = [timed_write(torch, state, Path(folder)) for _ in range(args.repeats)]
+        seconds = []
+        for _ in range(args.repeats):
+            with ctrl_c_waits():
+                seconds.append(timed_write(torch, state, Path(folder)))
     write = statistics.median(seconds)
     job_mtbf_hours = args.mtbf_hours / args.nodes  # any one node failing stops the job
     interval = young_daly(write, job_mtbf_hours * 3600)
@@ -107,4 +156,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # the temporary folder is removed on the way out
+        print("checkpoint_interval.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

@@ -13,7 +13,10 @@ CheckpointIO plugin writes each file atomically (temporary file, fsync, rename).
 """
 
 import argparse
+import contextlib
+import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -25,24 +28,86 @@ from lightning.pytorch.plugins import TorchCheckpointIO
 from torch import nn
 
 
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more (got {text})")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0 (got {text})")
+    return value
+
+
+def writable_dir(text):
+    """An output folder: created if needed; the reason given when it cannot be."""
+    path = Path(text)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot create {path}: {error.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write to {path}: permission denied")
+    return path
+
+
+def existing_file(text):
+    """An input file that must exist: here a checkpoint to resume from."""
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{path}: no such file")
+    return path
+
+
+def folder_path(text):
+    """A folder that may not exist yet, but cannot be a file or lie under one."""
+    path = Path(text)
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                raise argparse.ArgumentTypeError(f"{part} is a file, not a folder")
+            break
+    return path
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=0.02)
-    parser.add_argument("--num-workers", type=int, default=2, help="DataLoader workers")
-    parser.add_argument("--data-dir", type=Path, default=Path("data"), help="CIFAR-10 folder")
-    parser.add_argument("--checkpoint-dir", type=Path, default=Path("checkpoints"))
-    parser.add_argument("--checkpoint-every", type=int, default=0, help="steps; 0: each epoch")
-    parser.add_argument("--keep", type=int, default=3, help="checkpoints kept, besides last")
-    parser.add_argument("--resume", type=Path, help="checkpoint (default: last.ckpt, if any)")
+    parser.add_argument("--epochs", type=positive_int, default=5)
+    parser.add_argument("--batch-size", type=positive_int, default=64)
+    parser.add_argument("--lr", type=positive_float, default=0.02)
+    parser.add_argument(
+        "--num-workers", type=non_negative_int, default=2, help="DataLoader workers"
+    )
+    parser.add_argument(
+        "--data-dir", type=folder_path, default=Path("data"), help="CIFAR-10 folder"
+    )
+    parser.add_argument("--checkpoint-dir", type=writable_dir, default="checkpoints")
+    parser.add_argument(
+        "--checkpoint-every", type=positive_int, help="steps; without it: each epoch"
+    )
+    parser.add_argument(
+        "--keep", type=positive_int, default=3, help="checkpoints kept, besides last"
+    )
+    parser.add_argument(
+        "--resume", type=existing_file, help="checkpoint (default: last.ckpt, if any)"
+    )
     parser.add_argument("--fake-data", action="store_true", help="train on generated images")
-    parser.add_argument("--fake-size", type=int, default=8192, help="generated images")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fake-size", type=positive_int, default=8192, help="generated images")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     return parser.parse_args(argv)
 
 
@@ -97,19 +162,34 @@ class CNN(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": scheduler}  # stepped at each epoch end
 
 
+@contextlib.contextmanager
+def ctrl_c_waits():
+    """Ctrl-C (SIGINT) during the block takes effect after it: no checkpoint write is cut short."""
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught and callable(previous):
+        previous(signal.SIGINT, None)  # Python's own handler raises KeyboardInterrupt
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Write beside the target, sync, rename. Lightning's own writer (local files) makes its
-    temporary file in TMPDIR and moves it: a copy, not an atomic rename, across file systems."""
+    temporary file in TMPDIR and moves it: a copy, not an atomic rename, across file systems.
+    Ctrl-C (SIGINT) takes effect once the file is written."""
 
     def save_checkpoint(self, checkpoint, path, storage_options=None):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f"{path.name}.tmp")
-        with open(temporary, "wb") as file:
-            torch.save(checkpoint, file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
+        with ctrl_c_waits():
+            with open(temporary, "wb") as file:
+                torch.save(checkpoint, file)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, path)
         directory = os.open(path.parent, os.O_RDONLY)
         try:
             os.fsync(directory)
@@ -132,8 +212,11 @@ class EpochReport(L.Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         self.images += len(batch[1])
 
-    def on_train_epoch_end(self, trainer, module):
+    def on_train_epoch_end(self, trainer, module):  # before ModelCheckpoint's, which runs last
         loss = trainer.callback_metrics["train_loss"].item()
+        if not math.isfinite(loss):  # stop before this epoch's checkpoint is saved
+            fail(f"loss is {loss} at epoch {trainer.current_epoch + 1}, step "
+                 f"{trainer.global_step}: lower --lr")  # fmt: skip
         speed = self.images / (time.perf_counter() - self.start)
         print(f"epoch {trainer.current_epoch + 1}: loss {loss:.4f}, {speed:.0f} images/s")
 
@@ -142,8 +225,6 @@ def main(argv=None):
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda but no GPU is visible: request one with #SBATCH --gpus-per-node=1")
-    if args.resume and not args.resume.is_file():
-        fail(f"--resume {args.resume}: no such file")
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     L.seed_everything(args.seed, verbose=False)
     loader = torch.utils.data.DataLoader(
@@ -175,10 +256,19 @@ def main(argv=None):
     )
     has_last = any(args.checkpoint_dir.glob("last*.ckpt"))  # else "last" warns, then starts
     resume = args.resume or ("last" if has_last else None)
-    trainer.fit(CNN(args.lr), loader, ckpt_path=resume)
+    try:
+        trainer.fit(CNN(args.lr), loader, ckpt_path=resume)
+    except SystemExit as stop:
+        if stop.code == 1 and trainer.interrupted:  # how Lightning ends Ctrl-C: 130 instead
+            raise KeyboardInterrupt from None
+        raise
     kept = sorted(path.name for path in args.checkpoint_dir.glob("*.ckpt"))
     print(f"trained {trainer.current_epoch} epochs; in {args.checkpoint_dir}: {', '.join(kept)}")
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("lightning_checkpoint.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

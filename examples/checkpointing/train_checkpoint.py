@@ -9,16 +9,22 @@ last --keep are kept. On start, the script resumes from the newest checkpoint in
 epoch comes from --seed and the epoch number, so a run resumed in the middle of an epoch goes
 on with exactly the batches it had not done. On CPU, a run that was killed and resumed ends
 with the same weights, bit for bit, as one that never stopped: compare the final digests.
+A file that is not a checkpoint of this script is skipped like a damaged one; a folder with a
+checkpoint's name is never written into or deleted. A loss that is not finite stops the run
+before it saves, so the newest checkpoint stays the last good one.
 
     python train_checkpoint.py --fake-data --checkpoint-dir checkpoints
     sbatch train_checkpoint.sbatch --fake-data      # resubmit it: it resumes
 """
 
 import argparse
+import contextlib
 import hashlib
+import math
 import os
 import random
 import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -27,6 +33,51 @@ import torch
 from torch import nn
 
 NAME = re.compile(r"checkpoint-(\d+)\.pt")  # checkpoint-<steps done>.pt
+KEYS = {"model", "optimizer", "scheduler", "epoch", "step", "totals", "config", "rng"}
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more (got {text})")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0 (got {text})")
+    return value
+
+
+def writable_dir(text):
+    """An output folder: created if needed; the reason given when it cannot be."""
+    path = Path(text)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot create {path}: {error.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write to {path}: permission denied")
+    return path
+
+
+def folder_path(text):
+    """A folder that may not exist yet, but cannot be a file or lie under one."""
+    path = Path(text)
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                raise argparse.ArgumentTypeError(f"{part} is a file, not a folder")
+            break
+    return path
 
 
 def parse_args(argv=None):
@@ -35,19 +86,25 @@ def parse_args(argv=None):
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=0.02)
-    parser.add_argument("--warmup-steps", type=int, default=50, help="linear warm-up of the lr")
-    parser.add_argument("--num-workers", type=int, default=0, help="DataLoader workers")
-    parser.add_argument("--data-dir", type=Path, default=Path("data"), help="CIFAR-10 folder")
-    parser.add_argument("--output-dir", type=Path, default=Path("runs"), help="final weights")
-    parser.add_argument("--checkpoint-dir", type=Path, default=Path("checkpoints"))
-    parser.add_argument("--checkpoint-every", type=int, default=100, help="steps")
-    parser.add_argument("--keep", type=int, default=3, help="checkpoints kept")
+    parser.add_argument("--epochs", type=positive_int, default=5)
+    parser.add_argument("--batch-size", type=positive_int, default=64)
+    parser.add_argument("--lr", type=positive_float, default=0.02)
+    parser.add_argument(
+        "--warmup-steps", type=non_negative_int, default=50, help="linear warm-up of the lr"
+    )
+    parser.add_argument(
+        "--num-workers", type=non_negative_int, default=0, help="DataLoader workers"
+    )
+    parser.add_argument(
+        "--data-dir", type=folder_path, default=Path("data"), help="CIFAR-10 folder"
+    )
+    parser.add_argument("--output-dir", type=writable_dir, default="runs", help="final weights")
+    parser.add_argument("--checkpoint-dir", type=writable_dir, default="checkpoints")
+    parser.add_argument("--checkpoint-every", type=positive_int, default=100, help="steps")
+    parser.add_argument("--keep", type=positive_int, default=3, help="checkpoints kept")
     parser.add_argument("--fake-data", action="store_true", help="train on generated images")
-    parser.add_argument("--fake-size", type=int, default=8192, help="generated images")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fake-size", type=positive_int, default=8192, help="generated images")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     return parser.parse_args(argv)
 
 
@@ -88,10 +145,33 @@ def make_model():
     )  # fmt: skip
 
 
+def number(path):
+    """The steps done in a checkpoint's name."""
+    return int(NAME.fullmatch(path.name)[1])
+
+
+def named_like_checkpoints(folder):
+    """What folder holds under a checkpoint's name, oldest first: files, and anything else."""
+    found = [path for path in folder.glob("checkpoint-*.pt") if NAME.fullmatch(path.name)]
+    return sorted(found, key=number)
+
+
 def checkpoints(folder):
     """The checkpoint files in folder, oldest first (temporary files are not among them)."""
-    found = [path for path in folder.glob("checkpoint-*.pt") if NAME.fullmatch(path.name)]
-    return sorted(found, key=lambda path: int(NAME.fullmatch(path.name)[1]))
+    return [path for path in named_like_checkpoints(folder) if path.is_file()]
+
+
+@contextlib.contextmanager
+def ctrl_c_waits():
+    """Ctrl-C (SIGINT) during the block takes effect after it: no checkpoint write is cut short."""
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught and callable(previous):
+        previous(signal.SIGINT, None)  # Python's own handler raises KeyboardInterrupt
 
 
 def save_checkpoint(state, folder, steps_done, keep):
@@ -108,21 +188,45 @@ def save_checkpoint(state, folder, steps_done, keep):
         os.fsync(directory)  # the new name is on disk too
     finally:
         os.close(directory)
-    for old in checkpoints(folder)[:-keep]:  # only once the new one is in place
+    done = [old for old in checkpoints(folder) if number(old) <= steps_done]
+    for old in done[:-keep]:  # only once the new one is in place; not the newer ones skipped
         old.unlink()
     return path
 
 
-def load_checkpoint(folder):
-    """(path, state) of the newest checkpoint that loads, or (None, None); and those skipped."""
+def mismatch(state, model):
+    """Why a file that loads is not a checkpoint of this script and model; None if it is."""
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        return "not a checkpoint of this script: no model weights in it"
+    if missing := sorted(KEYS - state.keys()):
+        return f"not a checkpoint of this script: no {', '.join(missing)}"
+    ours = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    saved = {name: tuple(getattr(value, "shape", ())) for name, value in state["model"].items()}
+    for name in sorted(ours.keys() | saved.keys(), key=str):
+        if saved.get(name) != ours.get(name):  # a missing name, or another shape
+            return f"another model: {name} is {saved.get(name)} in the file, {ours.get(name)} here"
+    return None
+
+
+def load_checkpoint(folder, model):
+    """(path, state) of the newest checkpoint that loads and fits model, or (None, None); and
+    those skipped, with the reason."""
     skipped = []
-    for path in reversed(checkpoints(folder)):
+    for path in reversed(named_like_checkpoints(folder)):
+        if path.is_dir():
+            skipped.append(f"{path} (a folder, not a checkpoint file)")
+            continue
         try:
             # Tensors, numbers, strings, lists, tuples and dicts only: no code runs.
-            return path, torch.load(path, map_location="cpu", weights_only=True), skipped
+            state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as error:  # truncated or corrupted: try the one before
             reason = str(error).split(". ")[0].splitlines()[0] if str(error) else "empty"
             skipped.append(f"{path} ({type(error).__name__}: {reason})")
+            continue
+        reason = mismatch(state, model)  # another script's file, or another model's
+        if reason is None:
+            return path, state, skipped
+        skipped.append(f"{path} ({reason})")
     return None, None, skipped
 
 
@@ -166,8 +270,9 @@ def weights_digest(model):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.keep < 1 or args.checkpoint_every < 1:
-        fail("--keep and --checkpoint-every must be at least 1")
+    if (args.output_dir / "model.pt").is_dir():
+        fail(f"{args.output_dir / 'model.pt'} is a folder: move it away or choose another "
+             "--output-dir")  # fmt: skip
     if args.device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda but no GPU is visible: request one with #SBATCH --gpus-per-node=1")
     dataset = make_dataset(args)
@@ -183,32 +288,41 @@ def main(argv=None):
     model = make_model().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LinearLR(
-        optimizer, start_factor=0.1, total_iters=args.warmup_steps
+        optimizer, start_factor=0.1 if args.warmup_steps else 1.0, total_iters=args.warmup_steps
     )  # stepped after every batch
     epoch, step = 0, 0  # step: batches of the epoch already done
     totals = torch.zeros(2, dtype=torch.float64)  # their loss sum and images
     config = {"seed": args.seed, "batch_size": args.batch_size, "samples": len(dataset)}
 
-    args.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     for leftover in args.checkpoint_dir.glob("checkpoint-*.pt.tmp"):
-        leftover.unlink()  # a write that was interrupted
-    path, state, skipped = load_checkpoint(args.checkpoint_dir)
+        if leftover.is_file():
+            leftover.unlink()  # a write that was interrupted
+    path, state, skipped = load_checkpoint(args.checkpoint_dir, model)
+    if state is not None:
+        if state["config"] != config:
+            fail(f"{path} was written with {state['config']}, this run has {config}: resume "
+                 "with the same options, or start again in a new --checkpoint-dir")  # fmt: skip
+        epoch, step, totals = restore(state, model, optimizer, scheduler, device)
+    done, total = epoch * steps_per_epoch + step, args.epochs * steps_per_epoch
+    saves = {f"checkpoint-{n:08d}.pt" for n in range(done + 1, total + 1)
+             if n % args.checkpoint_every == 0 or n % steps_per_epoch == 0}  # fmt: skip
+    for entry in sorted(args.checkpoint_dir.glob("checkpoint-*")):
+        if entry.is_dir() and entry.name.removesuffix(".tmp") in saves:  # never replace it
+            fail(f"{entry} is a folder, and this run would write a checkpoint file there: "
+                 "move it away or choose another --checkpoint-dir")  # fmt: skip
     fallback = f"falling back to {path}" if path else "no usable checkpoint"
     for reason in skipped:
         print(f"train_checkpoint.py: warning: skipped {reason}; {fallback}", file=sys.stderr)
     if state is None:
         print(f"no checkpoint in {args.checkpoint_dir}: starting from scratch")
     else:
-        if state["config"] != config:
-            fail(f"{path} was written with {state['config']}, this run has {config}: resume "
-                 "with the same options, or start again in a new --checkpoint-dir")  # fmt: skip
-        epoch, step, totals = restore(state, model, optimizer, scheduler, device)
-        done, total = epoch * steps_per_epoch + step, args.epochs * steps_per_epoch
         print(f"resumed from {path} after {done} of {total} steps")
 
     def checkpoint(steps_done):
         state = full_state(model, optimizer, scheduler, epoch, step, totals, config, device)
-        print(f"saved {save_checkpoint(state, args.checkpoint_dir, steps_done, args.keep)}")
+        with ctrl_c_waits():
+            path = save_checkpoint(state, args.checkpoint_dir, steps_done, args.keep)
+        print(f"saved {path}")
 
     model.train()
     while epoch < args.epochs:
@@ -232,7 +346,12 @@ def main(argv=None):
             optimizer.step()
             scheduler.step()
             step += 1
-            totals += torch.tensor([loss.item() * len(labels), len(labels)], dtype=torch.float64)
+            value = loss.item()
+            if not math.isfinite(value):  # stop before a checkpoint saves it
+                fail(f"loss is {value} at epoch {epoch + 1}, step {step}: start again in a new "
+                     "--checkpoint-dir with a lower --lr or more --warmup-steps (a resumed run "
+                     "keeps the learning rate it saved)")  # fmt: skip
+            totals += torch.tensor([value * len(labels), len(labels)], dtype=torch.float64)
             images_here += len(labels)
             steps_done = epoch * steps_per_epoch + step
             if steps_done % args.checkpoint_every == 0 and step < steps_per_epoch:
@@ -248,4 +367,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C: the checkpoints already written are complete
+        print("train_checkpoint.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

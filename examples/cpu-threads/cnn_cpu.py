@@ -10,10 +10,43 @@ anywhere; real data must be downloaded first, on a login node.
 """
 
 import argparse
+import math
 import os
 import sys
 import time
 from pathlib import Path
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more (got {text})")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0 (got {text})")
+    return value
+
+
+def folder_path(text):
+    """A folder that may not exist yet, but cannot be a file or lie under one."""
+    path = Path(text)
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                raise argparse.ArgumentTypeError(f"{part} is a file, not a folder")
+            break
+    return path
 
 
 def parse_args(argv=None):
@@ -21,16 +54,20 @@ def parse_args(argv=None):
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--num-workers", type=int, default=0, help="DataLoader processes")
-    parser.add_argument("--data-dir", type=Path, default=Path("data"), help="CIFAR-10 folder")
+    parser.add_argument("--epochs", type=positive_int, default=2)
+    parser.add_argument("--batch-size", type=positive_int, default=128)
+    parser.add_argument("--lr", type=positive_float, default=0.05)
+    parser.add_argument(
+        "--num-workers", type=non_negative_int, default=0, help="DataLoader processes"
+    )
+    parser.add_argument("--data-dir", type=folder_path, default="data", help="CIFAR-10 folder")
     parser.add_argument("--fake-data", action="store_true", help="train on generated images")
-    parser.add_argument("--fake-size", type=int, default=4096, help="generated images")
-    parser.add_argument("--threads", type=int, help="intra-op threads (default: allocated CPUs)")
-    parser.add_argument("--interop-threads", type=int, default=1, help="inter-op threads")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fake-size", type=positive_int, default=4096, help="generated images")
+    parser.add_argument(
+        "--threads", type=positive_int, help="intra-op threads (default: allocated CPUs)"
+    )
+    parser.add_argument("--interop-threads", type=positive_int, default=1, help="inter-op threads")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     return parser.parse_args(argv)
 
 
@@ -39,10 +76,18 @@ def fail(message):
     sys.exit(2)
 
 
+def env_count(name):
+    """A count set by the scheduler (1 or more), or one line naming the variable and its value."""
+    value = os.environ[name]
+    if not (value.isdecimal() and int(value) > 0):
+        fail(f"{name}={value!r} is not a whole number above 0 (set by Slurm, or in the job script)")
+    return int(value)
+
+
 def allocated_cpus():
     """The CPUs this process may use: Slurm's allocation, else the CPU affinity mask."""
     if os.environ.get("SLURM_CPUS_PER_TASK"):
-        return int(os.environ["SLURM_CPUS_PER_TASK"]), "SLURM_CPUS_PER_TASK"
+        return env_count("SLURM_CPUS_PER_TASK"), "SLURM_CPUS_PER_TASK"
     return len(os.sched_getaffinity(0)), "CPU affinity"
 
 
@@ -102,16 +147,19 @@ def main(argv=None):
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"
     )
 
-    rates = []
+    rates, step = [], 0
     for epoch in range(1, args.epochs + 1):
         seen, total_loss, start = 0, 0.0, time.perf_counter()
         for images, labels in loader:
             optimizer.zero_grad(set_to_none=True)
             loss = torch.nn.functional.cross_entropy(model(images), labels)
+            value, step = loss.item(), step + 1
+            if not math.isfinite(value):  # stop before it spoils the weights
+                fail(f"loss is {value} at epoch {epoch}, step {step}: lower --lr")
             loss.backward()
             optimizer.step()
             seen += len(images)
-            total_loss += loss.item() * len(images)
+            total_loss += value * len(images)
         rate = seen / (time.perf_counter() - start)
         rates.append(rate)
         print(f"epoch {epoch}: loss {total_loss / seen:.3f}, {rate:.0f} images/s")
@@ -121,4 +169,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("cnn_cpu.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

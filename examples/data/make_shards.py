@@ -30,6 +30,36 @@ def positive_int(text):
     return value
 
 
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more (got {text})")
+    return value
+
+
+def writable_dir(text):
+    """An output folder: created if needed; the reason given when it cannot be."""
+    path = Path(text)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot create {path}: {error.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write to {path}: permission denied")
+    return path
+
+
+def folder_path(text):
+    """A folder that may not exist yet, but cannot be a file or lie under one."""
+    path = Path(text)
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                raise argparse.ArgumentTypeError(f"{part} is a file, not a folder")
+            break
+    return path
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -37,11 +67,11 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--input-dir",
-        type=Path,
-        default=Path("images"),
+        type=folder_path,
+        default="images",
         help="the image folder: one subfolder per class",
     )
-    parser.add_argument("--output-dir", type=Path, default=Path("shards"))
+    parser.add_argument("--output-dir", type=writable_dir, default="shards")
     parser.add_argument("--shard-size", type=positive_int, default=1000, help="images per shard")
     parser.add_argument(
         "--fake",
@@ -49,7 +79,7 @@ def parse_args(argv=None):
         metavar="N",
         help="first write N generated 32x32 images into --input-dir",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     return parser.parse_args(argv)  # fmt: skip
 
 
@@ -97,10 +127,6 @@ def main(argv=None):
         fail(f"no images in {args.input_dir}/<class>/: expected .png or .jpg files")
     # Shuffled once here, so that each shard holds every class; the reader shuffles again.
     random.Random(args.seed).shuffle(samples)
-    try:
-        args.output_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        fail(f"cannot create {args.output_dir}: {error.strerror}")
 
     sums = []
     for first in range(0, len(samples), args.shard_size):
@@ -120,4 +146,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("make_shards.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

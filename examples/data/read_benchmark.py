@@ -29,6 +29,45 @@ def positive_int(text):
     return value
 
 
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more (got {text})")
+    return value
+
+
+def writable_dir(text):
+    """An output folder: created if needed; the reason given when it cannot be."""
+    path = Path(text)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot create {path}: {error.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write to {path}: permission denied")
+    return path
+
+
+def writable_file(text):
+    """An output file: its folder created if needed; never an existing folder."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a folder, not a file")
+    writable_dir(path.parent)
+    return path
+
+
+def folder_path(text):
+    """A folder that may not exist yet, but cannot be a file or lie under one."""
+    path = Path(text)
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                raise argparse.ArgumentTypeError(f"{part} is a file, not a folder")
+            break
+    return path
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -45,12 +84,12 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--work-dir",
-        type=Path,
+        type=folder_path,
         default=Path("read-benchmark"),
         help="a new folder on the file system to measure (removed at the end)",
     )
-    parser.add_argument("--output", type=Path, help="also write the results as CSV")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=writable_file, help="also write the results as CSV")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     return parser.parse_args(argv)  # fmt: skip
 
 
@@ -179,4 +218,8 @@ def filesystem(args):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("read_benchmark.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

@@ -52,6 +52,17 @@ def positive_float(text):
     return value
 
 
+def folder_path(text):
+    """A folder that may not exist yet, but cannot be a file or lie under one."""
+    path = Path(text)
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                raise argparse.ArgumentTypeError(f"{part} is a file, not a folder")
+            break
+    return path
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -59,7 +70,7 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--data-dir",
-        type=Path,
+        type=folder_path,
         default=Path("shards"),
         help="the folder of shards made by make_shards.py",
     )
@@ -74,7 +85,7 @@ def parse_args(argv=None):
     )
     parser.add_argument("--shuffle-buffer", type=positive_int, default=1000, help="samples")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument(
         "--init-timeout", type=positive_int, default=60, help="seconds to start all processes"
     )
@@ -87,6 +98,16 @@ def parse_args(argv=None):
 def fail(message):
     print(f"train_shards.py: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def env_int(name, default=None):
+    """The whole number in environment variable `name`, or one line that names it."""
+    text = os.environ.get(name, default)
+    try:
+        return int(text)
+    except ValueError:
+        source = "srun" if name.startswith("SLURM_") else "torchrun, or in the job script"
+        fail(f"{name}={text!r} is not a whole number (set by {source})")
 
 
 def gpu_index(local_rank, visible):
@@ -106,20 +127,19 @@ def distributed_env():
     """(rank, world size, local rank): torchrun's variables, srun's, or a single process."""
     if "RANK" in os.environ:
         names = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
-    elif int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_PROCID" in os.environ:
+    elif env_int("SLURM_NTASKS", "1") > 1 and "SLURM_PROCID" in os.environ:
         names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
-    else:
+    else:  # one process: srun's variables, if set, must still be numbers
+        for name in ("SLURM_PROCID", "SLURM_LOCALID"):
+            env_int(name, "0")
         return 0, 1, 0
     missing = [name for name in (*names, "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if missing:
         fail(f"{', '.join(missing)} not set: start this script with torchrun or srun")
-    values = []
-    for name in (*names, "MASTER_PORT"):
-        if not os.environ[name].isdigit():
-            fail(f"{name}={os.environ[name]!r} is not a number")
-        values.append(int(os.environ[name]))
-    rank, world, local_rank, _port = values
-    if rank >= world:
+    rank, world, local_rank = (env_int(name) for name in names)
+    if not 0 < env_int("MASTER_PORT") < 65536:  # checked here: torch's error is a traceback
+        fail(f"MASTER_PORT={os.environ['MASTER_PORT']} is not a port number (1 to 65535)")
+    if not 0 <= rank < world:
         fail(f"rank {rank} is outside a world of {world} processes ({names[0]}, {names[1]})")
     return rank, world, local_rank
 
@@ -208,7 +228,7 @@ def main(argv=None):
             # torchrun, its agent already serves the store at MASTER_PORT: connect to it.
             store = dist.TCPStore(
                 os.environ["MASTER_ADDR"],
-                int(os.environ["MASTER_PORT"]),
+                env_int("MASTER_PORT"),
                 world,
                 is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
                 timeout=datetime.timedelta(seconds=args.init_timeout),
@@ -247,6 +267,7 @@ def main(argv=None):
     print(f"rank {rank}/{world} on {host}: reading {len(shards[rank::world])} of "
           f"{len(shards)} shards from {args.data_dir}")  # fmt: skip
 
+    step = 0
     for epoch in range(1, args.epochs + 1):
         dataset.epoch = epoch
         totals = torch.zeros(2, device=device)  # loss sum, images
@@ -261,6 +282,7 @@ def main(argv=None):
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
+                step += 1
                 totals[0] += loss.detach() * len(labels)
                 totals[1] += len(labels)
         if world > 1:
@@ -269,8 +291,8 @@ def main(argv=None):
         loss_sum, images_seen = totals.tolist()
         if not images_seen:
             fail(f"epoch {epoch} read no images from {args.data_dir}: are the shards empty?")
-        if not math.isfinite(loss_sum):
-            fail(f"loss is {loss_sum} in epoch {epoch}: try a lower --lr")
+        if not math.isfinite(loss_sum):  # the same in every rank: all stop together
+            fail(f"loss is {loss_sum / images_seen} at epoch {epoch}, step {step}: lower --lr")
         if rank == 0:
             processes = f"{world} processes" if world > 1 else "1 process"
             print(f"epoch {epoch}: loss {loss_sum / images_seen:.4f}, {images_seen:.0f} images, "
@@ -282,4 +304,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("train_shards.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

@@ -17,11 +17,44 @@ global batch (replicas x --batch-size). Rank 0 prints the loss and images/s of e
 import argparse
 import datetime
 import gc
+import math
 import os
 import socket
 import sys
 import time
 from pathlib import Path
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more (got {text})")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0 (got {text})")
+    return value
+
+
+def folder_path(text):
+    """A folder that may not exist yet, but cannot be a file or lie under one."""
+    path = Path(text)
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                raise argparse.ArgumentTypeError(f"{part} is a file, not a folder")
+            break
+    return path
 
 
 def parse_args(argv=None):
@@ -30,24 +63,40 @@ def parse_args(argv=None):
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=64, help="per replica")
-    parser.add_argument("--lr", type=float, default=0.04, help="for a global batch of 256")
-    parser.add_argument("--num-workers", type=int, default=2, help="DataLoader workers per rank")
-    parser.add_argument("--data-dir", type=Path, default=Path("data"), help="CIFAR-10 folder")
-    parser.add_argument("--fake-data", action="store_true", help="train on generated images")
-    parser.add_argument("--fake-size", type=int, default=8192, help="generated images")
+    parser.add_argument("--epochs", type=positive_int, default=3)
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="per replica")
+    parser.add_argument("--lr", type=positive_float, default=0.04, help="for a global batch of 256")
     parser.add_argument(
-        "--init-timeout", type=int, default=60, help="seconds to start all processes"
+        "--num-workers", type=non_negative_int, default=2, help="DataLoader workers per rank"
     )
-    parser.add_argument("--timeout", type=int, default=1800, help="seconds a collective may wait")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--data-dir", type=folder_path, default=Path("data"), help="CIFAR-10 folder"
+    )
+    parser.add_argument("--fake-data", action="store_true", help="train on generated images")
+    parser.add_argument("--fake-size", type=positive_int, default=8192, help="generated images")
+    parser.add_argument(
+        "--init-timeout", type=positive_int, default=60, help="seconds to start all processes"
+    )
+    parser.add_argument(
+        "--timeout", type=positive_int, default=1800, help="seconds a collective may wait"
+    )
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     return parser.parse_args(argv)
 
 
 def fail(message):
     print(f"ddp.py: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def env_int(name):
+    """The whole number in environment variable `name`, or one line that names it."""
+    text = os.environ[name]
+    try:
+        return int(text)
+    except ValueError:
+        source = "srun" if name.startswith("SLURM_") else "torchrun, or in the job script"
+        fail(f"{name}={text!r} is not a whole number (set by {source})")
 
 
 def gpu_index(local_rank, visible):
@@ -74,7 +123,9 @@ def distributed_env():
     missing = [name for name in (*names, "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if missing:
         fail(f"{', '.join(missing)} not set: {how}")
-    rank, world, local_rank = (int(os.environ[name]) for name in names)
+    rank, world, local_rank = (env_int(name) for name in names)
+    if not 0 < env_int("MASTER_PORT") < 65536:  # checked here: torch's error is a traceback
+        fail(f"MASTER_PORT={os.environ['MASTER_PORT']} is not a port number (1 to 65535)")
     if not 0 <= rank < world:
         fail(f"rank {rank} is outside a world of {world} processes ({names[0]}, {names[1]})")
     return rank, world, local_rank
@@ -131,7 +182,7 @@ def main(argv=None):
         # torchrun, its agent already serves the store at MASTER_PORT: connect to it.
         store = dist.TCPStore(
             os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
+            env_int("MASTER_PORT"),
             world,
             is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
             timeout=datetime.timedelta(seconds=args.init_timeout),
@@ -193,8 +244,11 @@ def main(argv=None):
             totals[1] += len(labels)
         dist.all_reduce(totals)  # sums over all replicas
         seconds = time.perf_counter() - start
+        loss_sum, images_seen = totals.tolist()  # the same in every rank: all stop together
+        if not math.isfinite(loss_sum):
+            fail(f"loss is {loss_sum / images_seen} at epoch {epoch + 1}, "
+                 f"step {(epoch + 1) * len(loader)}: lower --lr")  # fmt: skip
         if rank == 0:
-            loss_sum, images_seen = totals.tolist()
             print(f"epoch {epoch + 1}: loss {loss_sum / images_seen:.4f}, "
                   f"{images_seen / seconds:.0f} images/s")  # fmt: skip
     del model, optimizer  # they hold the process group: free it while Python still runs
@@ -203,4 +257,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("ddp.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

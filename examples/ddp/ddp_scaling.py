@@ -18,16 +18,39 @@ import sys
 from pathlib import Path
 
 
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
+def writable_file(text):
+    """An output file: its folder created if needed; the reason given when it cannot be."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a folder, not a file")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise argparse.ArgumentTypeError(f"{path.parent} is a file, not a folder") from None
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot create {path.parent}: {error.strerror}") from None
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write to {path.parent}: permission denied")
+    return path
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--processes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--processes", type=positive_int, nargs="+", default=[1, 2])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--fake-size", type=int, default=8192)
-    parser.add_argument("--output", type=Path, default=Path("ddp_scaling.csv"))
+    parser.add_argument("--epochs", type=positive_int, default=3)
+    parser.add_argument("--fake-size", type=positive_int, default=8192)
+    parser.add_argument("--output", type=writable_file, default=Path("ddp_scaling.csv"))
     return parser.parse_args(argv)
 
 
@@ -78,4 +101,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("ddp_scaling.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

@@ -24,6 +24,7 @@ import datetime
 import gc
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -31,40 +32,112 @@ import warnings
 from pathlib import Path
 
 
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more (got {text})")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0 (got {text})")
+    return value
+
+
+def existing_file(text):
+    """An input file that must exist."""
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(
+            f"no file {path}: the configs ds_zero3*.json are beside this script"
+        )
+    return path
+
+
+def folder_path(text):
+    """A folder that may not exist yet, but cannot be a file or lie under one."""
+    path = Path(text)
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                raise argparse.ArgumentTypeError(f"{part} is a file, not a folder")
+            break
+    return path
+
+
+def writable_dir(text):
+    """An output folder: created if needed; the reason given when it cannot be."""
+    path = Path(text)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot create {path}: {error.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write to {path}: permission denied")
+    return path
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--config", type=Path, default=Path("ds_zero3.json"), help="DeepSpeed JSON")
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, help="per process (default: from --config)")
-    parser.add_argument("--lr", type=float, help="learning rate (default: from --config)")
-    parser.add_argument("--fake-size", type=int, default=4096, help="generated samples")
-    parser.add_argument("--width", type=int, default=1024, help="hidden units per layer")
-    parser.add_argument("--layers", type=int, default=4, help="hidden layers")
     parser.add_argument(
-        "--nvme-dir", type=Path, help="node-local folder for NVMe offload "
+        "--config", type=existing_file, default=Path("ds_zero3.json"), help="DeepSpeed JSON"
+    )
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--epochs", type=positive_int, default=3)
+    parser.add_argument(
+        "--batch-size", type=positive_int, help="per process (default: from --config)"
+    )
+    parser.add_argument("--lr", type=positive_float, help="learning rate (default: from --config)")
+    parser.add_argument("--fake-size", type=positive_int, default=4096, help="generated samples")
+    parser.add_argument("--width", type=positive_int, default=1024, help="hidden units per layer")
+    parser.add_argument("--layers", type=positive_int, default=4, help="hidden layers")
+    parser.add_argument(
+        "--nvme-dir", type=folder_path, help="node-local folder for NVMe offload "
         "(default: $SLURM_TMPDIR, else /tmp/$USER-ds-$SLURM_JOB_ID)",
     )  # fmt: skip
     parser.add_argument(
-        "--init-timeout", type=int, default=60, help="seconds to start all processes"
+        "--init-timeout", type=positive_int, default=60, help="seconds to start all processes"
     )
-    parser.add_argument("--timeout", type=int, default=1800, help="seconds a collective may wait")
     parser.add_argument(
-        "--checkpoint-dir", type=Path, help="save a checkpoint there after every epoch, resume "
-        "from the newest, and write model_fp32.pt at the end (default: no checkpoints)",
+        "--timeout", type=positive_int, default=1800, help="seconds a collective may wait"
+    )
+    parser.add_argument(
+        "--checkpoint-dir", type=writable_dir, help="save a checkpoint there after every "
+        "epoch, resume from the newest, and write model_fp32.pt at the end (default: none)",
     )  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     # The deepspeed launcher passes --local_rank; the script reads LOCAL_RANK, which it sets too.
-    parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--local_rank", type=non_negative_int, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
 def fail(message):
     print(f"deepspeed_train.py: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def env_int(name):
+    """The whole number in environment variable `name`, or one line that names it."""
+    text = os.environ[name]
+    try:
+        return int(text)
+    except ValueError:
+        source = (
+            "srun" if name.startswith("SLURM_") else "torchrun or deepspeed, or in the job script"
+        )
+        fail(f"{name}={text!r} is not a whole number (set by {source})")
 
 
 def distributed_env():
@@ -78,7 +151,9 @@ def distributed_env():
     missing = [name for name in (*names, "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if missing:
         fail(f"{', '.join(missing)} not set: {how}")
-    rank, world, local_rank = (int(os.environ[name]) for name in names)
+    rank, world, local_rank = (env_int(name) for name in names)
+    if not 0 < env_int("MASTER_PORT") < 65536:  # checked here: DeepSpeed's error is a traceback
+        fail(f"MASTER_PORT={os.environ['MASTER_PORT']} is not a port number (1 to 65535)")
     if not 0 <= rank < world:
         fail(f"rank {rank} is outside a world of {world} processes ({names[0]}, {names[1]})")
     # DeepSpeed reads LOCAL_RANK itself, also when srun started the process.
@@ -221,7 +296,7 @@ def main(argv=None):
         # torchrun, its agent already serves the store at MASTER_PORT: connect to it.
         store = dist.TCPStore(
             os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
+            env_int("MASTER_PORT"),
             world,
             is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
             timeout=datetime.timedelta(seconds=args.init_timeout),
@@ -287,8 +362,11 @@ def main(argv=None):
             totals[1] += len(labels)
         dist.all_reduce(totals)
         seconds = time.perf_counter() - start
+        loss_sum, samples = totals.tolist()  # the same in every rank: all stop together
+        if not math.isfinite(loss_sum):  # before saving: the newest checkpoint stays a good one
+            fail(f"loss is {loss_sum / samples} at epoch {epoch + 1}, "
+                 f"step {(epoch + 1) * len(loader)}: lower --lr")  # fmt: skip
         if rank == 0:
-            loss_sum, samples = totals.tolist()
             print(f"epoch {epoch + 1}: loss {loss_sum / samples:.4f}, "
                   f"{samples / seconds:.0f} samples/s")  # fmt: skip
         if args.checkpoint_dir:
@@ -305,4 +383,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("deepspeed_train.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

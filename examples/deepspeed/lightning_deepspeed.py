@@ -13,7 +13,34 @@ script stops at once. Rank 0 prints the loss of every epoch.
 
 import argparse
 import datetime
+import math
+import os
 import sys
+
+# Read by Lightning when srun or torchrun starts the processes: checked first.
+LAUNCH_VARIABLES = ("MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK",
+                    "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID")  # fmt: skip
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more (got {text})")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0 (got {text})")
+    return value
 
 
 def parse_args(argv=None):
@@ -21,17 +48,19 @@ def parse_args(argv=None):
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--devices", type=int, default=2, help="GPUs per node")
-    parser.add_argument("--nodes", type=int, default=1)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=64, help="per GPU")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--fake-size", type=int, default=4096, help="generated samples")
-    parser.add_argument("--width", type=int, default=1024, help="hidden units per layer")
-    parser.add_argument("--layers", type=int, default=4, help="hidden layers")
+    parser.add_argument("--devices", type=positive_int, default=2, help="GPUs per node")
+    parser.add_argument("--nodes", type=positive_int, default=1)
+    parser.add_argument("--epochs", type=positive_int, default=3)
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="per GPU")
+    parser.add_argument("--lr", type=positive_float, default=1e-3)
+    parser.add_argument("--fake-size", type=positive_int, default=4096, help="generated samples")
+    parser.add_argument("--width", type=positive_int, default=1024, help="hidden units per layer")
+    parser.add_argument("--layers", type=positive_int, default=4, help="hidden layers")
     parser.add_argument("--offload-parameters", action="store_true", help="parameters to CPU too")
-    parser.add_argument("--timeout", type=int, default=1800, help="seconds a collective may wait")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--timeout", type=positive_int, default=1800, help="seconds a collective may wait"
+    )
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     return parser.parse_args(argv)
 
 
@@ -40,8 +69,21 @@ def fail(message):
     sys.exit(2)
 
 
+def env_int(name):
+    """The whole number in environment variable `name`, or one line that names it."""
+    text = os.environ[name]
+    try:
+        return int(text)
+    except ValueError:
+        source = "srun" if name.startswith("SLURM_") else "torchrun, or in the job script"
+        fail(f"{name}={text!r} is not a whole number (set by {source})")
+
+
 def main(argv=None):
     args = parse_args(argv)
+    for name in LAUNCH_VARIABLES:
+        if name in os.environ:
+            env_int(name)  # Lightning's own error would be a traceback
     import torch
 
     if not torch.cuda.is_available():
@@ -78,7 +120,11 @@ def main(argv=None):
             self.totals = torch.zeros(2, device=self.device)
 
         def on_train_epoch_end(self):
-            loss_sum, samples = self.trainer.strategy.reduce(self.totals, reduce_op="sum")
+            totals = self.trainer.strategy.reduce(self.totals, reduce_op="sum")
+            loss_sum, samples = totals.tolist()  # the same in every rank: all stop together
+            if not math.isfinite(loss_sum):
+                fail(f"loss is {loss_sum / samples} at epoch {self.current_epoch + 1}, "
+                     f"step {self.trainer.global_step}: lower --lr")  # fmt: skip
             if self.trainer.is_global_zero:
                 print(f"epoch {self.current_epoch + 1}: loss {loss_sum / samples:.4f}")
 
@@ -117,4 +163,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("lightning_deepspeed.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

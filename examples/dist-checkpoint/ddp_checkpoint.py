@@ -6,7 +6,10 @@ last --keep files. A barrier then holds the other ranks until the file is comple
 every rank loads the newest checkpoint onto its own device (map_location) and goes on with the
 next epoch, with the same shuffle and the same random numbers as a run that was never stopped.
 The model is saved without DDP's "module." prefix, so the file also loads into a plain model.
-Rank 0 prints the loss and images/s of every epoch and, at the end, a digest of the weights.
+A file that does not load, or is not a checkpoint of this script, is skipped with a warning
+for the one before; a folder with a checkpoint's name is never written into or deleted. A loss
+that is not finite stops every rank before it saves. Rank 0 prints the loss and images/s of
+every epoch and, at the end, a digest of the weights.
 
     torchrun --standalone --nproc-per-node=2 ddp_checkpoint.py --fake-data --epochs 2
     torchrun --standalone --nproc-per-node=2 ddp_checkpoint.py --fake-data --epochs 4  # resumes
@@ -17,11 +20,59 @@ import argparse
 import datetime
 import gc
 import hashlib
+import math
 import os
 import re
 import sys
 import time
 from pathlib import Path
+
+NAME = re.compile(r"epoch-(\d+)\.pt")  # epoch-<epochs done>.pt
+KEYS = {"model", "optimizer", "epoch"}
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more (got {text})")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0 (got {text})")
+    return value
+
+
+def writable_dir(text):
+    """An output folder: created if needed; the reason given when it cannot be."""
+    path = Path(text)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot create {path}: {error.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write to {path}: permission denied")
+    return path
+
+
+def folder_path(text):
+    """A folder that may not exist yet, but cannot be a file or lie under one."""
+    path = Path(text)
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                raise argparse.ArgumentTypeError(f"{part} is a file, not a folder")
+            break
+    return path
 
 
 def parse_args(argv=None):
@@ -30,29 +81,53 @@ def parse_args(argv=None):
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--epochs", type=int, default=3, help="epochs in all, resumed ones too")
-    parser.add_argument("--batch-size", type=int, default=64, help="per replica")
-    parser.add_argument("--lr", type=float, default=0.04, help="for a global batch of 256")
-    parser.add_argument("--num-workers", type=int, default=2, help="DataLoader workers per rank")
-    parser.add_argument("--data-dir", type=Path, default=Path("data"), help="CIFAR-10 folder")
+    parser.add_argument("--epochs", type=positive_int, default=3,
+                        help="epochs in all, resumed ones too")  # fmt: skip
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="per replica")
+    parser.add_argument("--lr", type=positive_float, default=0.04,
+                        help="for a global batch of 256")  # fmt: skip
+    parser.add_argument("--num-workers", type=non_negative_int, default=2,
+                        help="DataLoader workers per rank")  # fmt: skip
+    parser.add_argument("--data-dir", type=folder_path, default=Path("data"),
+                        help="CIFAR-10 folder")  # fmt: skip
     parser.add_argument("--fake-data", action="store_true", help="train on generated images")
-    parser.add_argument("--fake-size", type=int, default=8192, help="generated images")
-    parser.add_argument("--output-dir", type=Path, default=Path("checkpoints"),
+    parser.add_argument("--fake-size", type=positive_int, default=8192, help="generated images")
+    parser.add_argument("--output-dir", type=writable_dir, default="checkpoints",
                         help="checkpoint folder of this run, seen by all nodes")  # fmt: skip
-    parser.add_argument("--keep", type=int, default=2, help="checkpoints kept on disk")
+    parser.add_argument("--keep", type=positive_int, default=2, help="checkpoints kept on disk")
     parser.add_argument(
-        "--init-timeout", type=int, default=60, help="seconds to start all processes"
+        "--init-timeout", type=positive_int, default=60, help="seconds to start all processes"
     )
-    parser.add_argument("--timeout", type=int, default=1800, help="seconds a collective may wait")
-    parser.add_argument("--save-timeout", type=int, default=1800,
+    parser.add_argument("--timeout", type=positive_int, default=1800,
+                        help="seconds a collective may wait")  # fmt: skip
+    parser.add_argument("--save-timeout", type=positive_int, default=1800,
                         help="seconds the others wait for rank 0 to write")  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     return parser.parse_args(argv)
 
 
 def fail(message):
     print(f"ddp_checkpoint.py: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def stop_all(rank, message):
+    """Every rank stops at once with the same error: rank 0 says why, all exit with code 2.
+    os._exit tears nothing down: a process group left to interpreter shutdown can abort."""
+    if rank == 0:
+        print(f"ddp_checkpoint.py: error: {message}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(2)
+
+
+def env_int(name):
+    """The whole number in environment variable `name`, or one line that names it."""
+    text = os.environ[name]
+    if not (text.isascii() and text.isdigit()):
+        source = "srun" if name.startswith("SLURM_") else "torchrun, or in the job script"
+        fail(f"{name}={text!r} is not a whole number (set by {source})")
+    return int(text)
 
 
 def gpu_index(local_rank, visible):
@@ -79,7 +154,9 @@ def distributed_env():
     missing = [name for name in (*names, "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if missing:
         fail(f"{', '.join(missing)} not set: {how}")
-    rank, world, local_rank = (int(os.environ[name]) for name in names)
+    rank, world, local_rank = (env_int(name) for name in names)
+    if not 0 < env_int("MASTER_PORT") < 65536:  # checked here: torch's error is a traceback
+        fail(f"MASTER_PORT={os.environ['MASTER_PORT']} is not a port number (1 to 65535)")
     if not 0 <= rank < world:
         fail(f"rank {rank} is outside a world of {world} processes ({names[0]}, {names[1]})")
     return rank, world, local_rank
@@ -128,10 +205,66 @@ def weights_digest(torch, state_dict):
     return sha.hexdigest()[:16]
 
 
+def number(path):
+    """The epochs done in a checkpoint's name."""
+    return int(NAME.fullmatch(path.name)[1])
+
+
+def named_like_checkpoints(folder):
+    """What folder holds under a checkpoint's name, oldest first: files, and anything else."""
+    found = [path for path in folder.glob("epoch-*.pt") if NAME.fullmatch(path.name)]
+    return sorted(found, key=number)
+
+
 def checkpoints(folder):
     """The checkpoints in folder, oldest first; temporary files are not among them."""
-    found = (re.fullmatch(r"epoch-(\d+)\.pt", path.name) for path in folder.glob("epoch-*.pt"))
-    return [folder / m[0] for m in sorted(filter(None, found), key=lambda m: int(m[1]))]
+    return [path for path in named_like_checkpoints(folder) if path.is_file()]
+
+
+def mismatch(state, model):
+    """Why a file that loads is not a checkpoint of this script and model; None if it is."""
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        return "not a checkpoint of this script: no model weights in it"
+    if missing := sorted(KEYS - state.keys()):
+        return f"not a checkpoint of this script: no {', '.join(missing)}"
+    if not isinstance(state["epoch"], int) or state["epoch"] < 1:
+        return f"not a checkpoint of this script: epoch {state['epoch']!r}"
+    ours = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    saved = {name: tuple(getattr(value, "shape", ())) for name, value in state["model"].items()}
+    for name in sorted(ours.keys() | saved.keys(), key=str):
+        if saved.get(name) != ours.get(name):  # a missing name, or another shape
+            return f"another model: {name} is {saved.get(name)} in the file, {ours.get(name)} here"
+    return None
+
+
+def choose_checkpoint(torch, folder, model, epochs):
+    """Rank 0: (the newest checkpoint in folder that loads and fits model, or None; and why this
+    run cannot start, or None). Prints a warning for each file skipped."""
+    chosen, start_epoch, skipped = None, 0, []
+    for path in reversed(named_like_checkpoints(folder)):
+        if path.is_dir():
+            skipped.append(f"{path} (a folder, not a checkpoint file)")
+            continue
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)  # a check, on CPU
+        except Exception as error:  # truncated or corrupted: try the one before
+            reason = str(error).split(". ")[0].splitlines()[0] if str(error) else "empty"
+            skipped.append(f"{path} ({type(error).__name__}: {reason})")
+            continue
+        reason = mismatch(state, model)  # another script's file, or another model's
+        if reason is None:
+            chosen, start_epoch = path, state["epoch"]
+            break
+        skipped.append(f"{path} ({reason})")
+    writes = {f"epoch-{epoch}.pt" for epoch in range(start_epoch + 1, epochs + 1)}
+    for entry in sorted(folder.glob("epoch-*")):
+        if entry.is_dir() and entry.name.removesuffix(".tmp") in writes:  # never replace it
+            return None, (f"{entry} is a folder, and this run would write a checkpoint file "
+                          "there: move it away or choose another --output-dir")  # fmt: skip
+    fallback = f"falling back to {chosen}" if chosen else "no usable checkpoint"
+    for reason in skipped:
+        print(f"ddp_checkpoint.py: warning: skipped {reason}; {fallback}", file=sys.stderr)
+    return chosen, None
 
 
 def save_checkpoint(torch, state, folder, keep):
@@ -149,7 +282,8 @@ def save_checkpoint(torch, state, folder, keep):
         os.fsync(directory)  # the rename itself survives a crash of the node
     finally:
         os.close(directory)
-    for old in checkpoints(folder)[:-keep]:
+    done = [old for old in checkpoints(folder) if number(old) <= state["epoch"]]
+    for old in done[:-keep]:  # files only, and not the newer ones skipped on start
         old.unlink()
     return path
 
@@ -157,8 +291,6 @@ def save_checkpoint(torch, state, folder, keep):
 def main(argv=None):
     args = parse_args(argv)
     rank, world, local_rank = distributed_env()
-    if args.keep < 1:
-        fail(f"--keep {args.keep}: keep at least the last checkpoint")
     import torch
     import torch.distributed as dist
 
@@ -174,7 +306,7 @@ def main(argv=None):
         # torchrun, its agent already serves the store at MASTER_PORT: connect to it.
         store = dist.TCPStore(
             os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
+            env_int("MASTER_PORT"),
             world,
             is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
             timeout=datetime.timedelta(seconds=args.init_timeout),
@@ -207,8 +339,12 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     model = make_model(torch).to(device)
     optimizer_state, start_epoch = None, 0
-    newest = [(checkpoints(args.output_dir) or [None])[-1] if rank == 0 else None]
+    newest = [None, None]  # the file to resume from; why the run cannot start
+    if rank == 0:  # skips, with a warning, what does not load or is not of this model
+        newest = list(choose_checkpoint(torch, args.output_dir, model, args.epochs))
     dist.broadcast_object_list(newest, src=0, group=save_group)  # rank 0 decides for all
+    if newest[1] is not None:  # every rank stops; no model holds the process group yet
+        stop_all(rank, newest[1])
     if newest[0] is not None:
         # Onto this rank's device: without map_location every rank would load the tensors onto
         # the device they were saved from, cuda:0, the GPU of rank 0.
@@ -243,6 +379,7 @@ def main(argv=None):
         print(f"{world} processes, {device.type} ({dist.get_backend()}), global batch "
               f"{global_batch}, epochs {start_epoch + 1} to {args.epochs}")  # fmt: skip
 
+    problem = None  # a loss that is not finite stops every rank, before it saves
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # the shuffle of this epoch, whether resumed or not
         generator.manual_seed(args.seed + 1000 * epoch + rank)  # its augmentations too
@@ -259,8 +396,12 @@ def main(argv=None):
             totals[1] += len(labels)
         dist.all_reduce(totals)
         seconds = time.perf_counter() - start
+        loss_sum, images_seen = totals.tolist()  # the same on every rank: all stop together
+        if not math.isfinite(loss_sum):
+            problem = (f"loss is {loss_sum / images_seen} at epoch {epoch + 1}, step "
+                       f"{len(loader)}: lower --lr (a resumed run sets it again)")  # fmt: skip
+            break
         if rank == 0:
-            loss_sum, images_seen = totals.tolist()
             print(f"epoch {epoch + 1}: loss {loss_sum / images_seen:.4f}, "
                   f"{images_seen / seconds:.0f} images/s")  # fmt: skip
         # --- checkpoint ---
@@ -275,12 +416,20 @@ def main(argv=None):
         dist.barrier(group=save_group)  # no rank goes on, or exits, before the file is complete
         # --- end checkpoint ---
 
-    if rank == 0:
+    if rank == 0 and problem is None:
         print(f"Weights digest: {weights_digest(torch, model.module.state_dict())}")
     del model, optimizer  # they hold the process group: free it while Python still runs
     gc.collect()  # and the reference cycles among them (hooks, DDP's reducer)
     dist.destroy_process_group()
+    if problem is not None:  # the process group is gone: an ordinary exit
+        if rank == 0:
+            fail(problem)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("ddp_checkpoint.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

@@ -5,9 +5,12 @@ writes its own shards of the model and optimizer state into one folder per check
 (--output-dir/epoch-N), and rank 0 adds the metadata that says where each piece lies. The
 folder is written under a temporary name and renamed by rank 0 once every shard is on disk;
 the last --keep folders are kept. On start, the newest checkpoint is loaded, and DCP reshards
-it when the number of processes changed. Rank 0 prints the loss and images/s of every epoch
-and a digest of the weights. --convert turns a checkpoint into one torch.save file for
-inference, in a single process, without GPU or launcher.
+it when the number of processes changed; one whose metadata cannot be read, or that another
+script wrote, is skipped with a warning for the one before, and anything else with a
+checkpoint's name is never written into or deleted. A loss that is not finite stops every rank
+before it saves. Rank 0 prints the loss and images/s of every epoch and a digest of the
+weights. --convert turns a checkpoint into one torch.save file for inference, in a single
+process, without GPU or launcher.
 
     torchrun --standalone --nproc-per-node=2 fsdp_dcp.py --fake-data --epochs 2
     torchrun --standalone --nproc-per-node=4 fsdp_dcp.py --fake-data --epochs 3   # reshards
@@ -19,6 +22,7 @@ import argparse
 import datetime
 import gc
 import hashlib
+import math
 import os
 import re
 import shutil
@@ -27,6 +31,64 @@ import sys
 import time
 from pathlib import Path
 
+NAME = re.compile(r"epoch-(\d+)")  # epoch-<epochs done>, a folder
+KEYS = ("model", "optimizer", "epoch", "world")  # what this script saves
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more (got {text})")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0 (got {text})")
+    return value
+
+
+def writable_dir(text):
+    """An output folder: created if needed; the reason given when it cannot be."""
+    path = Path(text)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot create {path}: {error.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write to {path}: permission denied")
+    return path
+
+
+def folder_path(text):
+    """A folder that may not exist yet, but cannot be a file or lie under one."""
+    path = Path(text)
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                raise argparse.ArgumentTypeError(f"{part} is a file, not a folder")
+            break
+    return path
+
+
+def path_not_under_a_file(text):
+    """A file or folder whose parents are folders, or do not exist yet."""
+    path = Path(text)
+    for part in path.parents:
+        if part.exists():
+            if not part.is_dir():
+                raise argparse.ArgumentTypeError(f"{part} is a file, not a folder")
+            break
+    return path
+
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
@@ -34,33 +96,60 @@ def parse_args(argv=None):
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--epochs", type=int, default=3, help="epochs in all, resumed ones too")
-    parser.add_argument("--batch-size", type=int, default=64, help="per process")
-    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    parser.add_argument("--num-workers", type=int, default=2, help="DataLoader workers per rank")
-    parser.add_argument("--data-dir", type=Path, default=Path("data"), help="CIFAR-10 folder")
+    parser.add_argument("--epochs", type=positive_int, default=3,
+                        help="epochs in all, resumed ones too")  # fmt: skip
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="per process")
+    parser.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate")
+    parser.add_argument("--num-workers", type=non_negative_int, default=2,
+                        help="DataLoader workers per rank")  # fmt: skip
+    parser.add_argument("--data-dir", type=folder_path, default=Path("data"),
+                        help="CIFAR-10 folder")  # fmt: skip
     parser.add_argument("--fake-data", action="store_true", help="train on generated images")
-    parser.add_argument("--fake-size", type=int, default=8192, help="generated images")
-    parser.add_argument("--width", type=int, default=512, help="features of each block")
-    parser.add_argument("--blocks", type=int, default=4, help="residual blocks")
-    parser.add_argument("--output-dir", type=Path, default=Path("checkpoints"),
+    parser.add_argument("--fake-size", type=positive_int, default=8192, help="generated images")
+    parser.add_argument("--width", type=positive_int, default=512, help="features of each block")
+    parser.add_argument("--blocks", type=positive_int, default=4, help="residual blocks")
+    parser.add_argument("--output-dir", type=writable_dir, default="checkpoints",
                         help="checkpoint folder of this run, seen by all nodes")  # fmt: skip
-    parser.add_argument("--keep", type=int, default=2, help="checkpoints kept on disk")
+    parser.add_argument("--keep", type=positive_int, default=2, help="checkpoints kept on disk")
     parser.add_argument(
-        "--init-timeout", type=int, default=60, help="seconds to start all processes"
+        "--init-timeout", type=positive_int, default=60, help="seconds to start all processes"
     )
-    parser.add_argument("--timeout", type=int, default=1800, help="seconds a collective may wait")
-    parser.add_argument("--save-timeout", type=int, default=1800,
+    parser.add_argument("--timeout", type=positive_int, default=1800,
+                        help="seconds a collective may wait")  # fmt: skip
+    parser.add_argument("--save-timeout", type=positive_int, default=1800,
                         help="seconds a rank waits for the others to save or load")  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--convert", nargs=2, type=Path, metavar=("CHECKPOINT", "FILE"),
+    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--convert", nargs=2, type=path_not_under_a_file,
+                        metavar=("CHECKPOINT", "FILE"),
                         help="write a checkpoint as one torch.save file, and stop")  # fmt: skip
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.convert and args.convert[1].is_dir():
+        parser.error(f"argument --convert: {args.convert[1]} is a folder: name the file to write")
+    return args
 
 
 def fail(message):
     print(f"fsdp_dcp.py: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def stop_all(rank, message):
+    """Every rank stops at once with the same error: rank 0 says why, all exit with code 2.
+    os._exit tears nothing down: a process group left to interpreter shutdown can abort."""
+    if rank == 0:
+        print(f"fsdp_dcp.py: error: {message}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(2)
+
+
+def env_int(name):
+    """The whole number in environment variable `name`, or one line that names it."""
+    text = os.environ[name]
+    if not (text.isascii() and text.isdigit()):
+        source = "srun" if name.startswith("SLURM_") else "torchrun, or in the job script"
+        fail(f"{name}={text!r} is not a whole number (set by {source})")
+    return int(text)
 
 
 def gpu_index(local_rank, visible):
@@ -87,7 +176,9 @@ def distributed_env():
     missing = [name for name in (*names, "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if missing:
         fail(f"{', '.join(missing)} not set: {how}")
-    rank, world, local_rank = (int(os.environ[name]) for name in names)
+    rank, world, local_rank = (env_int(name) for name in names)
+    if not 0 < env_int("MASTER_PORT") < 65536:  # checked here: torch's error is a traceback
+        fail(f"MASTER_PORT={os.environ['MASTER_PORT']} is not a port number (1 to 65535)")
     if not 0 <= rank < world:
         fail(f"rank {rank} is outside a world of {world} processes ({names[0]}, {names[1]})")
     return rank, world, local_rank
@@ -155,11 +246,57 @@ def sharded_digest(torch, model):
     return weights_digest(torch, ((name, tensor.full_tensor()) for name, tensor in state))
 
 
-def newest_checkpoint(folder):
-    """The complete checkpoint of the latest epoch in folder, or None."""
-    found = (re.fullmatch(r"epoch-(\d+)", path.name) for path in folder.glob("epoch-*"))
-    done = [m for m in filter(None, found) if (folder / m[0] / ".metadata").is_file()]
-    return folder / max(done, key=lambda m: int(m[1]))[0] if done else None
+def number(path):
+    """The epochs done in a checkpoint's name."""
+    return int(NAME.fullmatch(path.name)[1])
+
+
+def named_like_checkpoints(folder):
+    """What folder holds under a checkpoint's name, oldest first: checkpoints, and the rest."""
+    return sorted((p for p in folder.glob("epoch-*") if NAME.fullmatch(p.name)), key=number)
+
+
+def is_checkpoint(path):
+    """A folder that DCP completed: rank 0 writes .metadata last."""
+    return (path / ".metadata").is_file()
+
+
+def unusable(dcp, path):
+    """Why path is not a checkpoint of this script, from its metadata alone; None if it is."""
+    if not path.is_dir():
+        return "a file, not a checkpoint folder"
+    if not is_checkpoint(path):
+        return "a folder without .metadata, not a complete checkpoint"
+    try:
+        keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as error:  # .metadata damaged
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else 'empty'}"
+    missing = [k for k in KEYS if not any(key == k or key.startswith(f"{k}.") for key in keys)]
+    return f"not a checkpoint of this script: no {', '.join(missing)}" if missing else None
+
+
+def choose_checkpoint(dcp, folder, epochs):
+    """Rank 0: (the newest checkpoint of this script in folder, or None; and why this run
+    cannot start, or None). Prints a warning for each one skipped."""
+    chosen, skipped = None, []
+    for path in reversed(named_like_checkpoints(folder)):
+        reason = unusable(dcp, path)
+        if reason is None:
+            chosen = path
+            break
+        skipped.append(f"{path} ({reason})")
+    writes = {f"epoch-{epoch}" for epoch in range(number(chosen) + 1 if chosen else 1, epochs + 1)}
+    for entry in sorted(folder.glob("epoch-*")):  # what the saves of this run would replace
+        final = entry.name in writes and not is_checkpoint(entry)
+        temporary = entry.name.removesuffix(".tmp") in writes and not entry.is_dir()
+        if final or temporary:
+            what = "a folder without .metadata" if entry.is_dir() else "a file"
+            return None, (f"{entry} is {what}, not a checkpoint, and this run would write one "
+                          "there: move it away or choose another --output-dir")  # fmt: skip
+    fallback = f"falling back to {chosen}" if chosen else "no usable checkpoint"
+    for reason in skipped:
+        print(f"fsdp_dcp.py: warning: skipped {reason}; {fallback}", file=sys.stderr)
+    return chosen, None
 
 
 def fsync_folder(path):
@@ -187,8 +324,8 @@ def save_checkpoint(dcp, dist, state, folder, keep, group):
             shutil.rmtree(path)  # a checkpoint of the same epoch from an earlier run
         tmp.rename(path)  # the folder appears complete under its final name, or not at all
         fsync_folder(folder)
-        done = sorted(folder.glob("epoch-*[0-9]"), key=lambda p: int(p.name.split("-")[1]))
-        for old in done[:-keep]:
+        done = [p for p in named_like_checkpoints(folder) if number(p) <= state["epoch"]]
+        for old in [p for p in done if is_checkpoint(p)][:-keep]:  # never anything else
             shutil.rmtree(old)
     dist.barrier(group=group)  # no rank goes on, or exits, before the rename
     return path
@@ -202,8 +339,8 @@ def load_checkpoint(dcp, get_state_dict, set_state_dict, model, optimizer, path,
         dcp.load(state, checkpoint_id=path, process_group=group)  # fills them in place
     except dcp.CheckpointException as error:  # raised on every rank, with each rank's cause
         cause = next(iter(error.failures.values()))[0]
-        fail(f"cannot resume from {path}: {cause} (--width and --blocks must be those of the "
-             "run that saved it)")  # fmt: skip
+        stop_all(group.rank(), f"cannot resume from {path}: {cause} (--width and --blocks "
+                 "must be those of the run that saved it)")  # fmt: skip
     set_state_dict(
         model,
         optimizer,
@@ -219,9 +356,18 @@ def convert(args):
     if not (checkpoint / ".metadata").is_file():
         fail(f"{checkpoint} is not a complete DCP checkpoint: it has no .metadata file")
     import torch
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    dcp_to_torch_save(checkpoint, target)  # all of it (optimizer state too) in this memory
+    reason = unusable(dcp, checkpoint)  # its .metadata damaged, or another script's
+    if reason is not None:
+        fail(f"cannot convert {checkpoint}: {reason}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        dcp_to_torch_save(checkpoint, target)  # all of it (optimizer state too) in this memory
+    except dcp.CheckpointException as error:  # a damaged shard file
+        cause = str(next(iter(error.failures.values()))[0])
+        fail(f"cannot convert {checkpoint}: {cause.splitlines()[0].split('. ')[0]}")
     state = torch.load(target, map_location="cpu", weights_only=True)
     model = make_model(torch, args.width, args.blocks)  # a plain model, no FSDP
     try:
@@ -260,7 +406,7 @@ def main(argv=None):
         # torchrun, its agent already serves the store at MASTER_PORT: connect to it.
         store = dist.TCPStore(
             os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
+            env_int("MASTER_PORT"),
             world,
             is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
             timeout=datetime.timedelta(seconds=args.init_timeout),
@@ -285,6 +431,12 @@ def main(argv=None):
         )
     # Saving waits for the slowest rank's writes: a group with a longer timeout, on CPU.
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.save_timeout))
+    newest = [None, None]  # the checkpoint to resume from; why the run cannot start
+    if rank == 0:  # skips, with a warning, what cannot be read or another script wrote
+        newest = list(choose_checkpoint(dcp, args.output_dir, args.epochs))
+    dist.broadcast_object_list(newest, src=0, group=group)  # rank 0 decides, all ranks agree
+    if newest[1] is not None:  # every rank stops; no model holds the process group yet
+        stop_all(rank, newest[1])
 
     nodes = [None] * world  # where each rank runs: every node writes into the same folder
     dist.all_gather_object(nodes, os.environ.get("SLURMD_NODENAME") or socket.gethostname())
@@ -297,8 +449,6 @@ def main(argv=None):
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     start_epoch = 0
-    newest = [newest_checkpoint(args.output_dir) if rank == 0 else None]
-    dist.broadcast_object_list(newest, src=0, group=group)  # rank 0 decides, all ranks agree
     if newest[0] is not None:
         start_epoch, saved_by = load_checkpoint(
             dcp, get_state_dict, set_state_dict, model, optimizer, newest[0], group
@@ -325,6 +475,7 @@ def main(argv=None):
               f"{todo}")  # fmt: skip
         print(f"Nodes: {', '.join(sorted(set(nodes)))}")
 
+    problem = None  # a loss that is not finite stops every rank, before it saves
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)
         totals = torch.zeros(2, device=device)  # loss sum, images
@@ -340,8 +491,13 @@ def main(argv=None):
             totals[1] += len(labels)
         dist.all_reduce(totals)
         seconds = time.perf_counter() - start
+        loss_sum, images_seen = totals.tolist()  # the same on every rank: all stop together
+        if not math.isfinite(loss_sum):
+            problem = (f"loss is {loss_sum / images_seen} at epoch {epoch + 1}, step "
+                       f"{len(loader)}: start again in a new --output-dir with a lower --lr (a "
+                       "resumed run keeps the learning rate it saved)")  # fmt: skip
+            break
         if rank == 0:
-            loss_sum, images_seen = totals.tolist()
             print(f"epoch {epoch + 1}: loss {loss_sum / images_seen:.4f}, "
                   f"{images_seen / seconds:.0f} images/s")  # fmt: skip
         # --- checkpoint ---
@@ -354,13 +510,21 @@ def main(argv=None):
         # --- end checkpoint ---
 
     digest = sharded_digest(torch, model)
-    if rank == 0:
+    if rank == 0 and problem is None:
         print(f"Weights digest: {digest}")
     del model, optimizer, mesh  # they hold the process group: free it while Python still runs
     gc.collect()  # and the reference cycles among them (hooks, DDP's reducer)
     dist.barrier()  # no rank tears its groups down while another still communicates
     dist.destroy_process_group()
+    if problem is not None:  # the process group is gone: an ordinary exit
+        if rank == 0:
+            fail(problem)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("fsdp_dcp.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

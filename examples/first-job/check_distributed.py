@@ -16,9 +16,17 @@ Anywhere, with torchrun (it sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MAST
 
 import argparse
 import datetime
+import math
 import os
 import socket
 import sys
+
+
+def positive_float(text):
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0 (got {text})")
+    return value
 
 
 def parse_args(argv=None):
@@ -28,7 +36,7 @@ def parse_args(argv=None):
     )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument(
-        "--timeout", type=float, default=60, help="seconds to wait for the other processes"
+        "--timeout", type=positive_float, default=60, help="seconds to wait for the other processes"
     )
     return parser.parse_args(argv)
 
@@ -36,6 +44,16 @@ def parse_args(argv=None):
 def fail(message):
     print(f"check_distributed.py: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def env_int(name):
+    """The whole number in environment variable `name`, or one line that names it."""
+    text = os.environ[name]
+    try:
+        return int(text)
+    except ValueError:
+        source = "srun" if name.startswith("SLURM_") else "torchrun, or in the job script"
+        fail(f"{name}={text!r} is not a whole number (set by {source})")
 
 
 def gpu_index(local_rank, visible):
@@ -66,11 +84,10 @@ def distributed_environment():
             "exports MASTER_ADDR and MASTER_PORT, or with torchrun"
         )
     env = {key: os.environ[variable] for key, variable in names.items()}
-    try:
-        for key in ("rank", "world_size", "local_rank", "port"):
-            env[key] = int(env[key])
-    except ValueError as error:
-        fail(f"a distributed variable is not a number: {error}")
+    for key in ("rank", "world_size", "local_rank", "port"):
+        env[key] = env_int(names[key])
+    if not 0 < env["port"] < 65536:
+        fail(f"MASTER_PORT={env['port']} is not a port number (1 to 65535)")
     if not 0 <= env["rank"] < env["world_size"]:
         fail(f"rank {env['rank']} is outside the world size {env['world_size']}")
     return env
@@ -128,4 +145,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("check_distributed.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

@@ -52,7 +52,7 @@ def distributed_env():
         text = os.environ.get(name)
         if text is None:
             fail(f"{name} is not set: start this script with torchrun or srun (hang_demo.sbatch)")
-        if not text.isdigit():
+        if not text.isdecimal():
             fail(f"{name}={text!r} is not a number")
         values[name] = int(text)
     if not os.environ.get("MASTER_ADDR"):
@@ -87,4 +87,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("hang_demo.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

@@ -13,6 +13,7 @@ epoch, averaged over all processes. Build Horovod first with install_horovod.sh.
 
 import argparse
 import importlib.util
+import math
 import os
 import sys
 import time
@@ -28,27 +29,74 @@ HOROVODRUN_VARIABLES = (
 )
 
 
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more (got {text})")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0 (got {text})")
+    return value
+
+
+def folder_path(text):
+    """A folder that may not exist yet, but cannot be a file or lie under one."""
+    path = Path(text)
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                raise argparse.ArgumentTypeError(f"{part} is a file, not a folder")
+            break
+    return path
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=64, help="per process")
-    parser.add_argument("--lr", type=float, default=0.0125, help="for one process")
-    parser.add_argument("--num-workers", type=int, default=2, help="DataLoader workers per rank")
-    parser.add_argument("--data-dir", type=Path, default=Path("data"), help="CIFAR-10 folder")
+    parser.add_argument("--epochs", type=positive_int, default=3)
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="per process")
+    parser.add_argument("--lr", type=positive_float, default=0.0125, help="for one process")
+    parser.add_argument(
+        "--num-workers", type=non_negative_int, default=2, help="DataLoader workers per rank"
+    )
+    parser.add_argument(
+        "--data-dir", type=folder_path, default=Path("data"), help="CIFAR-10 folder"
+    )
     parser.add_argument("--fake-data", action="store_true", help="train on generated images")
-    parser.add_argument("--fake-size", type=int, default=8192, help="generated images")
-    parser.add_argument("--init-timeout", type=int, default=60, help="seconds to wait for ranks")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fake-size", type=positive_int, default=8192, help="generated images")
+    parser.add_argument(
+        "--init-timeout", type=positive_int, default=60, help="seconds to wait for ranks"
+    )
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     return parser.parse_args(argv)
 
 
 def fail(message):
     print(f"horovod_train.py: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def env_int(name):
+    """The whole number in environment variable `name`, or one line that names it."""
+    text = os.environ[name]
+    try:
+        return int(text)
+    except ValueError:
+        fail(f"{name}={text!r} is not a whole number (set by horovodrun)")
 
 
 def import_horovod():
@@ -101,6 +149,9 @@ def main(argv=None):
     missing = [name for name in HOROVODRUN_VARIABLES if name not in os.environ]
     if missing:  # without them, every process would train alone as rank 0 of 1
         fail(f"{', '.join(missing)} not set: start this script with horovodrun --gloo")
+    for name in HOROVODRUN_VARIABLES:  # whole numbers but the address: checked before Horovod
+        if name != "HOROVOD_GLOO_RENDEZVOUS_ADDR":
+            env_int(name)
     import torch
 
     # Horovod's rendezvous waits this long for every process; when one is missing, Horovod stops
@@ -162,14 +213,21 @@ def main(argv=None):
             totals[0] += loss.detach() * len(labels)
             totals[1] += len(labels)
         # The mean over all processes (every process sees as many images: DistributedSampler).
-        mean_loss = hvd.allreduce(totals[0] / totals[1], name="epoch_loss")
+        mean_loss = hvd.allreduce(totals[0] / totals[1], name="epoch_loss").item()
         seconds = time.perf_counter() - start
+        if not math.isfinite(mean_loss):  # the same in every process: all stop together
+            fail(f"loss is {mean_loss} at epoch {epoch + 1}, "
+                 f"step {(epoch + 1) * len(loader)}: lower --lr")  # fmt: skip
         if rank == 0:
             images_seen = totals[1].item() * size
-            print(f"epoch {epoch + 1}: loss {mean_loss.item():.4f}, "
+            print(f"epoch {epoch + 1}: loss {mean_loss:.4f}, "
                   f"{images_seen / seconds:.0f} images/s")  # fmt: skip
     hvd.shutdown()
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("horovod_train.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

@@ -37,6 +37,13 @@ HOW_TO_REQUEST_A_GPU = (
 )
 
 
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -48,7 +55,9 @@ def parse_args(argv=None):
         default="auto",
         help="device for the test computation; 'cuda' fails when no GPU is usable",
     )
-    parser.add_argument("--size", type=int, default=1024, help="matrix size of the test product")
+    parser.add_argument(
+        "--size", type=positive_int, default=1024, help="matrix size of the test product"
+    )
     return parser.parse_args(argv)
 
 
@@ -56,6 +65,15 @@ def fail(message):
     """Print a one-line error and exit non-zero (no traceback for a reader to decode)."""
     print(f"check_pytorch.py: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def env_count(name):
+    """A count set by the scheduler (1 or more), or one line naming the variable and its value."""
+    value = os.environ[name]
+    if not (value.isdecimal() and int(value) > 0):
+        fail(f"{name}={value!r} is not a whole number above 0 (set by the scheduler, or in the "
+             "job script)")  # fmt: skip
+    return int(value)
 
 
 def gpus_in(name, value):
@@ -139,9 +157,9 @@ def why_no_gpu(torch, driver):
 def cpu_threads():
     """CPUs this process may use: the Slurm allocation first, else the CPU affinity mask."""
     if os.environ.get("SLURM_CPUS_PER_TASK"):
-        return int(os.environ["SLURM_CPUS_PER_TASK"]), "SLURM_CPUS_PER_TASK"
+        return env_count("SLURM_CPUS_PER_TASK"), "SLURM_CPUS_PER_TASK"
     if os.environ.get("NSLOTS"):  # Grid Engine: slots of a parallel environment
-        return int(os.environ["NSLOTS"]), "NSLOTS"
+        return env_count("NSLOTS"), "NSLOTS"
     return len(os.sched_getaffinity(0)), "CPU affinity"
 
 
@@ -251,4 +269,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("check_pytorch.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

@@ -21,6 +21,16 @@ import sys
 from pathlib import Path
 
 
+def existing_file(text):
+    """A file that must exist: the program built by build.sh, or a library."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a folder, not a program or library")
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{path} does not exist: build it first (bash build.sh)")
+    return path
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -28,15 +38,10 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--binary",
-        type=Path,
+        type=existing_file,
         help="a program or library to run ldd on (default: libtorch_cuda or libtorch_cpu)",
     )
     return parser.parse_args(argv)
-
-
-def fail(message):
-    print(f"show_build_info.py: error: {message}", file=sys.stderr)
-    sys.exit(2)
 
 
 def nvidia_packages():
@@ -72,8 +77,6 @@ def ldd_groups(binary, torch_dir):
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.binary is not None and not args.binary.is_file():
-        fail(f"{args.binary} does not exist: build it first (bash build.sh)")
     import torch
     import torch.utils
 
@@ -121,4 +124,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("show_build_info.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

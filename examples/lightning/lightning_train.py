@@ -5,9 +5,11 @@ process: Lightning reads its rank from the Slurm variables (SLURMEnvironment), a
 takes the Trainer's devices and nodes from the same allocation (SLURM_NTASKS_PER_NODE,
 SLURM_NNODES), so that the two always match. When Slurm sends SIGUSR1 before the time limit,
 all processes stop at the same step, save a checkpoint in --output-dir and requeue the job,
-which resumes from it. Outside Slurm, Lightning starts --devices processes itself. Rank 0
-prints the loss and images/s of every epoch; the progress bar is shown only in a terminal,
-never in a batch log.
+which resumes from it. Ctrl-C (SIGINT) saves the same checkpoint at the same step, then
+exits with 130: run the same command again to resume. Outside Slurm, Lightning starts
+--devices processes itself. Rank 0 prints the loss and images/s of every epoch, and a loss
+that is not finite stops every process at the end of its epoch, before any checkpoint; the
+progress bar is shown only in a terminal, never in a batch log.
 
     python lightning_train.py --fake-data --devices 2
     sbatch lightning.sbatch --fake-data             # two nodes, one task per GPU
@@ -16,6 +18,7 @@ never in a batch log.
 import argparse
 import datetime
 import gc
+import math
 import os
 import signal
 import subprocess
@@ -23,11 +26,85 @@ import sys
 import time
 from pathlib import Path
 
-import lightning as L
-import torch
-from lightning.pytorch.plugins.environments import LightningEnvironment, SLURMEnvironment
-from lightning.pytorch.strategies import DDPStrategy
-from torch import nn
+
+def fail(message):
+    print(f"lightning_train.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def env_int(name, default=None):
+    """The whole number in environment variable `name` (default: when it is not set), or one
+    line that names it."""
+    if default is not None and name not in os.environ:
+        return default
+    value = os.environ[name]
+    if not value.isdecimal():
+        source = "srun" if name.startswith("SLURM_") else "the launcher, or in the job script"
+        fail(f"{name}={value!r} is not a whole number (set by {source})")
+    return int(value)
+
+
+# Numbers Lightning reads with int(), the rank as soon as it is imported: checked before, so
+# that a wrong value is one line, not a traceback.
+for name in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID",
+             "NODE_RANK", "MASTER_PORT", "SLURM_JOB_ID"):  # fmt: skip
+    if name in os.environ:
+        env_int(name)
+if "MASTER_PORT" in os.environ and not 0 < int(os.environ["MASTER_PORT"]) < 65536:
+    fail(f"MASTER_PORT={os.environ['MASTER_PORT']} is not a port number (1 to 65535)")
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.plugins.environments import (  # noqa: E402
+    LightningEnvironment,
+    SLURMEnvironment,
+)
+from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
+from torch import nn  # noqa: E402
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more (got {text})")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0 (got {text})")
+    return value
+
+
+def writable_dir(text):
+    """An output folder: created if needed; the reason given when it cannot be."""
+    path = Path(text)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot create {path}: {error.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write to {path}: permission denied")
+    return path
+
+
+def folder_path(text):
+    """A folder that may not exist yet, but cannot be a file or lie under one."""
+    path = Path(text)
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                raise argparse.ArgumentTypeError(f"{part} is a file, not a folder")
+            break
+    return path
 
 
 def parse_args(argv=None):
@@ -36,25 +113,28 @@ def parse_args(argv=None):
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--devices", type=int, help="per node (default: from srun, else 1)")
-    parser.add_argument("--num-nodes", type=int, help="(default: from srun, else 1)")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=64, help="per process")
-    parser.add_argument("--lr", type=float, default=0.02, help="for a global batch of 256")
-    parser.add_argument("--num-workers", type=int, default=2, help="DataLoader workers per process")
-    parser.add_argument("--data-dir", type=Path, default=Path("data"), help="CIFAR-10 folder")
-    parser.add_argument("--output-dir", type=Path, default=Path("runs"), help="logs, checkpoints")
+    parser.add_argument(
+        "--devices", type=positive_int, help="per node (default: from srun, else 1)"
+    )
+    parser.add_argument("--num-nodes", type=positive_int, help="(default: from srun, else 1)")
+    parser.add_argument("--epochs", type=positive_int, default=3)  # never -1: "no limit"
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="per process")
+    parser.add_argument("--lr", type=positive_float, default=0.02, help="for a global batch of 256")
+    parser.add_argument(
+        "--num-workers", type=non_negative_int, default=2, help="DataLoader workers per process"
+    )
+    parser.add_argument("--data-dir", type=folder_path, default="data", help="CIFAR-10 folder")
+    parser.add_argument("--output-dir", type=writable_dir, default="runs", help="logs, checkpoints")
     parser.add_argument("--fake-data", action="store_true", help="train on generated images")
-    parser.add_argument("--fake-size", type=int, default=8192, help="generated images")
-    parser.add_argument("--init-timeout", type=int, default=60, help="seconds to start all tasks")
-    parser.add_argument("--timeout", type=int, default=1800, help="seconds a collective may wait")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fake-size", type=positive_int, default=8192, help="generated images")
+    parser.add_argument(
+        "--init-timeout", type=positive_int, default=60, help="seconds to start all tasks"
+    )
+    parser.add_argument(
+        "--timeout", type=positive_int, default=1800, help="seconds a collective may wait"
+    )
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     return parser.parse_args(argv)
-
-
-def fail(message):
-    print(f"lightning_train.py: error: {message}", file=sys.stderr)
-    sys.exit(2)
 
 
 def slurm_allocation():
@@ -62,8 +142,8 @@ def slurm_allocation():
     interactive = os.environ.get("SLURM_JOB_NAME") in ("bash", "interactive")
     if "SLURM_NTASKS" not in os.environ or interactive:
         return None  # Lightning's own rule: no Slurm job, or an interactive shell in one
-    tasks = int(os.environ["SLURM_NTASKS"])
-    started = int(os.environ.get("SLURM_STEP_NUM_TASKS", 1))  # set by srun, not in the batch shell
+    tasks = env_int("SLURM_NTASKS")
+    started = env_int("SLURM_STEP_NUM_TASKS", 1)  # set by srun, not in the batch shell
     if started != tasks:
         fail(
             f"SLURM_NTASKS={tasks} but srun started {started}: Lightning would wait for "
@@ -71,7 +151,7 @@ def slurm_allocation():
             "(srun python lightning_train.py), or train on this node alone with "
             "SLURM_JOB_NAME=interactive python lightning_train.py"
         )
-    return int(os.environ.get("SLURM_NTASKS_PER_NODE", tasks)), int(os.environ["SLURM_NNODES"])
+    return env_int("SLURM_NTASKS_PER_NODE", tasks), env_int("SLURM_NNODES")
 
 
 def make_dataset(args):
@@ -91,6 +171,11 @@ def make_dataset(args):
         ]
     )
     return torchvision.datasets.CIFAR10(args.data_dir, train=True, transform=transform)
+
+
+class NonFiniteLoss(Exception):
+    """A loss that is nan or infinite: raised in every process at once (the value is the same
+    in all of them), before any checkpoint is saved."""
 
 
 class CNN(L.LightningModule):
@@ -141,14 +226,18 @@ class EpochReport(L.Callback):
         self.images += len(batch[1])
 
     def on_train_epoch_end(self, trainer, module):
-        loss = trainer.callback_metrics["train_loss"].item()
+        loss = trainer.callback_metrics["train_loss"].item()  # the mean over all processes
+        if not math.isfinite(loss):  # checked before Lightning's checkpoint of the epoch
+            raise NonFiniteLoss(f"loss is {loss} at epoch {trainer.current_epoch + 1}, "
+                                f"step {trainer.global_step}: lower --lr")  # fmt: skip
         speed = self.images * trainer.world_size / (time.perf_counter() - self.start)
         if trainer.is_global_zero and not trainer.should_stop:  # not an epoch cut short
             print(f"epoch {trainer.current_epoch + 1}: loss {loss:.4f}, {speed:.0f} images/s")
 
 
 class StopOnSignal(L.Callback):
-    """SIGUSR1 only sets a flag; at the end of a step, all processes agree to save and stop.
+    """SIGUSR1 or Ctrl-C (SIGINT) only sets a flag; at the end of a step, all processes agree
+    to save and stop. A second Ctrl-C stops at once, without saving.
 
     Lightning's own SLURMEnvironment(auto_requeue=True) saves inside the signal handler,
     wherever each process happens to be, and the processes can then wait for each other
@@ -156,22 +245,29 @@ class StopOnSignal(L.Callback):
     """
 
     def __init__(self, checkpoint):
-        self.checkpoint, self.signalled, self.stopped = checkpoint, False, False
+        self.checkpoint, self.received, self.stopped = checkpoint, None, False
 
     def setup(self, trainer, module, stage):
         signal.signal(signal.SIGUSR1, self.record)
 
     def record(self, signum, frame):
-        self.signalled = True
+        self.received = signal.Signals(signum).name
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C stops at once
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         # One small all-reduce per step: True in every process if any got the signal.
-        if trainer.strategy.reduce_boolean_decision(self.signalled, all=False):
+        if trainer.strategy.reduce_boolean_decision(self.received is not None, all=False):
+            loss = trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean").item()
+            if not math.isfinite(loss):  # the last good checkpoint stays the newest
+                raise NonFiniteLoss(f"loss is {loss} at epoch {trainer.current_epoch + 1}, "
+                                    f"step {trainer.global_step}: lower --lr")  # fmt: skip
             trainer.save_checkpoint(self.checkpoint)  # rank 0 writes, all wait for it
             trainer.should_stop = self.stopped = True
             if trainer.is_global_zero:
-                print(f"SIGUSR1: stopped at epoch {trainer.current_epoch + 1}, step "
-                      f"{trainer.global_step}, saved {self.checkpoint}")  # fmt: skip
+                print(f"{self.received or 'signal'}: stopped at epoch "
+                      f"{trainer.current_epoch + 1}, step {trainer.global_step}, "
+                      f"saved {self.checkpoint}")  # fmt: skip
 
 
 def cluster_environment(args):
@@ -254,11 +350,14 @@ def main(argv=None):
         persistent_workers=args.num_workers > 0,
     )
     checkpoint = args.output_dir / "requeue.ckpt"  # the same folder after a requeue
-    stop_on_signal = StopOnSignal(checkpoint)  # only under Slurm, which sends the signal
+    stop_on_signal = StopOnSignal(checkpoint)  # SIGUSR1 from Slurm, or Ctrl-C
     slurm = isinstance(environment, SLURMEnvironment)
-    callbacks = [EpochReport(), stop_on_signal] if slurm else [EpochReport()]
-    trainer = make_trainer(args, environment, devices, num_nodes, use_cuda, callbacks)
+    trainer = make_trainer(
+        args, environment, devices, num_nodes, use_cuda, [EpochReport(), stop_on_signal]
+    )
     resume = checkpoint if checkpoint.exists() else None  # left by a requeued run
+    signal.signal(signal.SIGINT, stop_on_signal.record)  # Ctrl-C: the same save and stop
+    problem = None
     try:
         if slurm and environment.world_size() > 1:  # srun started every task: meet now
             store = meet_the_others(environment, args.init_timeout)  # noqa: F841 (kept open)
@@ -269,15 +368,31 @@ def main(argv=None):
             f"{args.init_timeout} s ({str(error).splitlines()[0]}); check that srun started "
             "one task per device on every node"
         )
-    if stop_on_signal.stopped and trainer.is_global_zero:  # all processes saved and stopped
-        requeue(checkpoint, args.output_dir)
+    except NonFiniteLoss as error:
+        problem = str(error)  # said once the process group is freed
+    rank, interrupted = trainer.global_rank, stop_on_signal.received == "SIGINT"
+    if stop_on_signal.stopped and slurm and not interrupted and rank == 0:
+        requeue(checkpoint, args.output_dir)  # all processes saved and stopped
     # Lightning leaves the process group to interpreter shutdown, where gloo sometimes aborts
     # ("terminate called without an active exception"): free what holds it, then destroy it.
     del trainer, loader
     gc.collect()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+    if problem:  # every process stops, rank 0 says why
+        if rank == 0:
+            print(f"lightning_train.py: error: {problem}", file=sys.stderr)
+        sys.exit(2)
+    if interrupted:
+        saved = f": saved {checkpoint}, run again to resume" if stop_on_signal.stopped else ""
+        if rank == 0:
+            print(f"lightning_train.py: interrupted (Ctrl-C){saved}", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("lightning_train.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

@@ -29,12 +29,23 @@ def percent(text):
     return value
 
 
+def existing_file(text):
+    """The log: it must exist."""
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(
+            f"no log {path}: write one with nvidia-smi --query-gpu=... --format=csv -l N "
+            "(gpu_usage.sbatch does)"
+        )
+    return path
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("log", type=Path, help="the CSV that nvidia-smi wrote")
+    parser.add_argument("log", type=existing_file, help="the CSV that nvidia-smi wrote")
     parser.add_argument("--idle-below", type=percent, default=50,
                         help="warn when a GPU's mean utilisation is below this (%%)")  # fmt: skip
     return parser.parse_args(argv)
@@ -98,4 +109,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("summarise_gpu_log.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

@@ -13,9 +13,31 @@ detected"). Each rank prints its throughput; rank 0 prints the total.
 import argparse
 import datetime
 import gc
+import math
 import os
 import sys
 import time
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more (got {text})")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0 (got {text})")
+    return value
 
 
 def parse_args(argv=None):
@@ -24,13 +46,15 @@ def parse_args(argv=None):
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=64, help="per replica")
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--epochs", type=positive_int, default=3)
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="per replica")
+    parser.add_argument("--lr", type=positive_float, default=0.05)
     parser.add_argument("--fake-data", action="store_true", help="train on generated data")
-    parser.add_argument("--fake-size", type=int, default=8192)
-    parser.add_argument("--timeout", type=int, default=1800, help="seconds a collective may wait")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fake-size", type=positive_int, default=8192)
+    parser.add_argument(
+        "--timeout", type=positive_int, default=1800, help="seconds a collective may wait"
+    )
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     return parser.parse_args(argv)
 
 
@@ -39,12 +63,25 @@ def fail(message):
     sys.exit(2)
 
 
+def env_int(name):
+    """The whole number in environment variable `name`, or one line that names it."""
+    text = os.environ[name]
+    try:
+        return int(text)
+    except ValueError:
+        fail(f"{name}={text!r} is not a whole number (set by torchrun, or in the job script)")
+
+
 def main(argv=None):
     args = parse_args(argv)
     missing = [v for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
                if v not in os.environ]  # fmt: skip
     if missing:
         fail(f"{', '.join(missing)} not set: start this script with torchrun (see the job script)")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env_int(name)  # checked here: init_process_group's own error is a traceback
+    if not 0 < env_int("MASTER_PORT") < 65536:
+        fail(f"MASTER_PORT={os.environ['MASTER_PORT']} is not a port number (1 to 65535)")
     if not args.fake_data:
         fail("this example trains on generated data only: pass --fake-data")
     import torch
@@ -90,6 +127,9 @@ def main(argv=None):
         dist.all_reduce(rate)  # sum over replicas
         mean_loss = torch.tensor([loss_sum.item() / seen])
         dist.all_reduce(mean_loss)
+        if not math.isfinite(mean_loss.item()):  # the same in every rank: all stop together
+            fail(f"loss is {mean_loss.item() / world} at epoch {epoch + 1}, "
+                 f"step {(epoch + 1) * len(loader)}: lower --lr")  # fmt: skip
         if rank == 0:
             print(f"epoch {epoch + 1}: loss {mean_loss.item() / world:.3f}, "
                   f"{rate.item():.0f} samples/s with {world} replicas on {device}")  # fmt: skip
@@ -100,4 +140,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("mps_ddp.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

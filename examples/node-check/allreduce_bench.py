@@ -47,6 +47,29 @@ def positive_int(text):
     return int(text)
 
 
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more (got {text})")
+    return value
+
+
+def writable_file(text):
+    """An output file: its folder is created if needed; it cannot be a folder itself."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a folder, not a file")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(
+            f"cannot create the folder {path.parent}: {error.strerror}"
+        ) from None
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write to {path.parent}: permission denied")
+    return path
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -57,13 +80,13 @@ def parse_args(argv=None):
     parser.add_argument(
         "--max-bytes", type=size, help="default: 1G with --device cuda, 64M on CPUs"
     )
-    parser.add_argument("--warmup", type=int, default=5, help="untimed all-reduces per size")
+    parser.add_argument(
+        "--warmup", type=non_negative_int, default=5, help="untimed all-reduces per size"
+    )
     parser.add_argument("--iters", type=positive_int, default=20, help="timed all-reduces")
     parser.add_argument("--timeout", type=positive_int, default=300, help="seconds to wait")
-    parser.add_argument("--csv", type=Path, help="also write the table to this CSV file")
+    parser.add_argument("--csv", type=writable_file, help="also write the table to this CSV file")
     args = parser.parse_args(argv)
-    if args.warmup < 0:
-        parser.error(f"argument --warmup: must be 0 or more (got {args.warmup})")
     if args.max_bytes is not None and args.min_bytes > args.max_bytes:
         parser.error(f"--min-bytes {args.min_bytes} is larger than --max-bytes {args.max_bytes}")
     return args
@@ -97,7 +120,7 @@ def distributed_env():
         if name not in os.environ:
             fail(f"{name} not set: start this script with torchrun or srun (node_check.sbatch)")
     for name in (*names, "MASTER_PORT"):
-        if not os.environ[name].isdigit():
+        if not os.environ[name].isdecimal():
             fail(f"{name}={os.environ[name]!r} is not a number")
     rank, world, local_rank = (int(os.environ[name]) for name in names)
     if not rank < world:
@@ -218,4 +241,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("allreduce_bench.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

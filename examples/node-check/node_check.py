@@ -30,6 +30,13 @@ def positive_int(text):
     return int(text)
 
 
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more (got {text})")
+    return value
+
+
 def fraction(text):
     try:
         value = float(text)
@@ -59,7 +66,9 @@ def parse_args(argv=None):
     parser.add_argument("--pair-bytes", type=positive_int, default=2**24, help="per node pair")
     parser.add_argument("--timeout", type=positive_int, default=60, help="seconds to wait")
     # Testing aids: make one rank compute a wrong product, or one node send wrong data.
-    parser.add_argument("--fail-rank", type=int, help="testing aid: this rank computes wrongly")
+    parser.add_argument(
+        "--fail-rank", type=non_negative_int, help="testing aid: this rank computes wrongly"
+    )
     parser.add_argument("--fail-node", help="testing aid: this node sends wrong data")
     return parser.parse_args(argv)
 
@@ -92,7 +101,7 @@ def distributed_env():
         if name not in os.environ:
             fail(f"{name} not set: start this script with torchrun or srun (node_check.sbatch)")
     for name in (*names, "MASTER_PORT"):
-        if not os.environ[name].isdigit():
+        if not os.environ[name].isdecimal():
             fail(f"{name}={os.environ[name]!r} is not a number")
     rank, world, local_rank = (int(os.environ[name]) for name in names)
     if not rank < world:
@@ -278,4 +287,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("node_check.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

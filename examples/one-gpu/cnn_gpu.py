@@ -11,10 +11,43 @@ float32, small batches) and with the tuned one, in the same process, and prints 
 """
 
 import argparse
+import math
 import os
 import sys
 import time
 from pathlib import Path
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more (got {text})")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0 (got {text})")
+    return value
+
+
+def folder_path(text):
+    """A folder that may not exist yet, but cannot be a file or lie under one."""
+    path = Path(text)
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                raise argparse.ArgumentTypeError(f"{part} is a file, not a folder")
+            break
+    return path
 
 
 def parse_args(argv=None):
@@ -23,18 +56,20 @@ def parse_args(argv=None):
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--num-workers", type=int, help="default: allocated CPUs minus one")
-    parser.add_argument("--data-dir", type=Path, default=Path("data"), help="CIFAR-10 folder")
+    parser.add_argument("--epochs", type=positive_int, default=2)
+    parser.add_argument("--batch-size", type=positive_int, default=256)
+    parser.add_argument("--lr", type=positive_float, default=0.05)
+    parser.add_argument(
+        "--num-workers", type=non_negative_int, help="default: allocated CPUs minus one"
+    )
+    parser.add_argument("--data-dir", type=folder_path, default="data", help="CIFAR-10 folder")
     parser.add_argument("--fake-data", action="store_true", help="train on generated images")
-    parser.add_argument("--fake-size", type=int, default=20000, help="generated images")
+    parser.add_argument("--fake-size", type=positive_int, default=20000, help="generated images")
     parser.add_argument("--amp", choices=["bf16", "fp16", "none"], default="bf16")
     parser.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--compile", action="store_true", help="compile the model first")
     parser.add_argument("--benchmark", action="store_true", help="naive loop, then tuned loop")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     return parser.parse_args(argv)
 
 
@@ -43,9 +78,17 @@ def fail(message):
     sys.exit(2)
 
 
+def env_count(name):
+    """A count set by the scheduler (1 or more), or one line naming the variable and its value."""
+    value = os.environ[name]
+    if not (value.isdecimal() and int(value) > 0):
+        fail(f"{name}={value!r} is not a whole number above 0 (set by Slurm, or in the job script)")
+    return int(value)
+
+
 def allocated_cpus():
     if os.environ.get("SLURM_CPUS_PER_TASK"):
-        return int(os.environ["SLURM_CPUS_PER_TASK"])
+        return env_count("SLURM_CPUS_PER_TASK")
     return len(os.sched_getaffinity(0))
 
 
@@ -126,7 +169,8 @@ def train(
     compile_model,
     lr,
 ):
-    """Train a fresh model; return (images/s of the fastest epoch, last epoch's mean loss)."""
+    """Train a fresh model; return (images/s of the fastest epoch, last epoch's mean loss).
+    The loss reaches the CPU once per epoch, where the loop waits for the GPU anyway."""
     loader = torch.utils.data.DataLoader(
         dataset,
         batch_size=batch_size,
@@ -144,8 +188,8 @@ def train(
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": torch.float32}[amp]
     scaler = torch.amp.GradScaler(device.type, enabled=amp == "fp16")
-    best, loss_sum = 0.0, 0.0
-    for _ in range(epochs):
+    best, steps = 0.0, 0
+    for epoch in range(1, epochs + 1):
         seen, loss_sum = 0, torch.zeros((), device=device)
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -160,11 +204,15 @@ def train(
             scaler.step(optimizer)
             scaler.update()
             loss_sum += loss.detach() * len(images)  # no .item(): it would wait for the GPU
-            seen += len(images)
+            seen, steps = seen + len(images), steps + 1
         if device.type == "cuda":
             torch.cuda.synchronize()
         best = max(best, seen / (time.perf_counter() - start))
-    return best, loss_sum.item() / seen
+        loss = loss_sum.item() / seen
+        if not math.isfinite(loss):
+            hint = " (or use --amp bf16 rather than fp16)" if amp == "fp16" else ""
+            fail(f"loss is {loss} at epoch {epoch}, step {steps}: lower --lr{hint}")
+    return best, loss
 
 
 def main(argv=None):
@@ -192,6 +240,9 @@ def main(argv=None):
         naive = {"batch_size": 32, "workers": 0, "pin": False, "channels_last": False,
                  "amp": "none", "compile_model": False}  # fmt: skip
         runs = {"naive": naive, "tuned": tuned}
+    batch = max(settings["batch_size"] for settings in runs.values())
+    if len(dataset) < batch:  # every batch is full (drop_last): there would be none
+        fail(f"{len(dataset)} images, fewer than one batch of {batch}: raise --fake-size")
     rates = {}
     for label, settings in runs.items():
         if use_cuda:
@@ -208,4 +259,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("cnn_gpu.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

@@ -17,10 +17,44 @@ CPUs.
 import argparse
 import datetime
 import gc
+import math
 import os
 import sys
 import time
 from pathlib import Path
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more (got {text})")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0 (got {text})")
+    return value
+
+
+def folder_path(text):
+    """A folder that may not exist yet, but cannot be a file or lie under one."""
+    path = Path(text)
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                raise argparse.ArgumentTypeError(f"{part} is a file, not a folder")
+            break
+    return path
+
 
 STAGES = 2  # one process per stage
 
@@ -32,25 +66,43 @@ def parse_args(argv=None):
     )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe")
-    parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per batch")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=64, help="before the split")
-    parser.add_argument("--lr", type=float, default=0.1, help="for a batch of 256")
-    parser.add_argument("--num-workers", type=int, default=2, help="DataLoader workers per rank")
-    parser.add_argument("--data-dir", type=Path, default=Path("data"), help="CIFAR-10 folder")
-    parser.add_argument("--fake-data", action="store_true", help="train on generated images")
-    parser.add_argument("--fake-size", type=int, default=8192, help="generated images")
     parser.add_argument(
-        "--init-timeout", type=int, default=60, help="seconds to start all processes"
+        "--microbatches", type=positive_int, default=4, help="micro-batches per batch"
     )
-    parser.add_argument("--timeout", type=int, default=1800, help="seconds a collective may wait")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--epochs", type=positive_int, default=3)
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="before the split")
+    parser.add_argument("--lr", type=positive_float, default=0.1, help="for a batch of 256")
+    parser.add_argument(
+        "--num-workers", type=non_negative_int, default=2, help="DataLoader workers per rank"
+    )
+    parser.add_argument(
+        "--data-dir", type=folder_path, default=Path("data"), help="CIFAR-10 folder"
+    )
+    parser.add_argument("--fake-data", action="store_true", help="train on generated images")
+    parser.add_argument("--fake-size", type=positive_int, default=8192, help="generated images")
+    parser.add_argument(
+        "--init-timeout", type=positive_int, default=60, help="seconds to start all processes"
+    )
+    parser.add_argument(
+        "--timeout", type=positive_int, default=1800, help="seconds a collective may wait"
+    )
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     return parser.parse_args(argv)
 
 
 def fail(message):
     print(f"pipeline.py: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def env_int(name):
+    """The whole number in environment variable `name`, or one line that names it."""
+    text = os.environ[name]
+    try:
+        return int(text)
+    except ValueError:
+        source = "srun" if name.startswith("SLURM_") else "torchrun, or in the job script"
+        fail(f"{name}={text!r} is not a whole number (set by {source})")
 
 
 def gpu_index(local_rank, visible):
@@ -77,7 +129,9 @@ def distributed_env():
     missing = [name for name in (*names, "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if missing:
         fail(f"{', '.join(missing)} not set: {how}")
-    rank, world, local_rank = (int(os.environ[name]) for name in names)
+    rank, world, local_rank = (env_int(name) for name in names)
+    if not 0 < env_int("MASTER_PORT") < 65536:  # checked here: torch's error is a traceback
+        fail(f"MASTER_PORT={os.environ['MASTER_PORT']} is not a port number (1 to 65535)")
     if world != STAGES:
         fail(f"{world} processes started, {STAGES} needed: one per pipeline stage")
     if not 0 <= rank < world:
@@ -151,7 +205,7 @@ def main(argv=None):
         # torchrun, its agent already serves the store at MASTER_PORT: connect to it.
         store = dist.TCPStore(
             os.environ["MASTER_ADDR"],
-            int(os.environ["MASTER_PORT"]),
+            env_int("MASTER_PORT"),
             world,
             is_master=rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True",
             timeout=datetime.timedelta(seconds=args.init_timeout),
@@ -222,6 +276,13 @@ def main(argv=None):
                 images_seen += len(labels)
             optimizer.step()  # each stage updates its own parameters
         seconds = time.perf_counter() - start
+        # Only the last stage has the loss: it sends it to the first, so both can stop together.
+        totals = torch.tensor([loss_sum, images_seen], dtype=torch.float64, device=device)
+        dist.broadcast(totals, src=STAGES - 1)
+        loss_sum, images_seen = totals.tolist()
+        if not math.isfinite(loss_sum):
+            fail(f"loss is {loss_sum / images_seen} at epoch {epoch + 1}, "
+                 f"step {(epoch + 1) * len(loader)}: lower --lr")  # fmt: skip
         if stage.is_last:
             print(f"epoch {epoch + 1}: loss {loss_sum / images_seen:.4f}, "
                   f"{images_seen / seconds:.0f} images/s")  # fmt: skip
@@ -233,4 +294,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("pipeline.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

@@ -10,9 +10,33 @@ model for a few steps with automatic mixed precision (torch.amp) in the dtype --
 """
 
 import argparse
+import math
 import statistics
 import sys
 import time
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more (got {text})")
+    return value
+
+
+def train_steps(text):
+    value = int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(
+            f"must be at least 2: the first and the last loss are compared (got {text})"
+        )
+    return value
 
 
 def parse_args(argv=None):
@@ -21,11 +45,13 @@ def parse_args(argv=None):
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--size", type=int, default=4096, help="rows and columns of the matrices")
-    parser.add_argument("--repeats", type=int, default=10, help="timed products per mode")
+    parser.add_argument(
+        "--size", type=positive_int, default=4096, help="rows and columns of the matrices"
+    )
+    parser.add_argument("--repeats", type=positive_int, default=10, help="timed products per mode")
     parser.add_argument("--amp", choices=["bf16", "fp16", "none"], default="bf16")
-    parser.add_argument("--train-steps", type=int, default=20, help="mixed-precision steps")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train-steps", type=train_steps, default=20, help="mixed-precision steps")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     return parser.parse_args(argv)
 
 
@@ -96,7 +122,7 @@ def train_with_amp(torch, device, amp, steps):
     inputs = torch.randn(512, 64, device=device)
     targets = inputs[:, :8].sum(dim=1, keepdim=True)
     losses = []
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         optimizer.zero_grad(set_to_none=True)
         with torch.amp.autocast(device.type, dtype=dtype, enabled=amp != "none"):
             loss = torch.nn.functional.mse_loss(model(inputs), targets)
@@ -104,6 +130,8 @@ def train_with_amp(torch, device, amp, steps):
         scaler.step(optimizer)
         scaler.update()
         losses.append(loss.item())
+        if not math.isfinite(losses[-1]):
+            fail(f"loss is {losses[-1]} at step {step} with --amp {amp}: try another --amp")
     return losses
 
 
@@ -122,13 +150,16 @@ def main(argv=None):
     print(f"Matrix product of {args.size}x{args.size} on {name}, PyTorch {torch.__version__}")
     compare_modes(torch, device, args.size, args.repeats)
 
-    if args.train_steps > 0:
-        losses = train_with_amp(torch, device, args.amp, args.train_steps)
-        steps = f"Mixed precision ({args.amp}), {args.train_steps} steps"
-        print(f"{steps}: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
-        if not losses[-1] < losses[0]:
-            fail("the loss did not go down")
+    losses = train_with_amp(torch, device, args.amp, args.train_steps)
+    steps = f"Mixed precision ({args.amp}), {args.train_steps} steps"
+    print(f"{steps}: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    if not losses[-1] < losses[0]:
+        fail("the loss did not go down")
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("precision.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

@@ -4,10 +4,12 @@ SIGUSR1 (which the job script forwards from Slurm before the time limit) and SIG
 Slurm sends at the time limit, on preemption and on cancellation) only set a flag. At the
 end of the current step, the script writes a checkpoint into --checkpoint-dir, atomically,
 and exits with code 75 (EX_TEMPFAIL: "try again"), which tells the job script to requeue the
-job. It also saves at the end of every epoch. On start it resumes from the checkpoint it
-finds there, in the middle of an epoch if need be, and stops after exactly --epochs epochs,
-however often it was interrupted. On CPU, a resumed run ends with the same weights, bit for
-bit, as an uninterrupted one.
+job. Ctrl-C (SIGINT) saves the same way, then exits with code 130. It also saves at the end
+of every epoch. On start it resumes from the checkpoint it finds there, in the middle of an
+epoch if need be, and stops after exactly --epochs epochs, however often it was interrupted.
+On CPU, a resumed run ends with the same weights, bit for bit, as an uninterrupted one. A file
+it cannot resume from, or a loss that is not finite, stops it with one line, and it never
+replaces a folder that has the checkpoint's name.
 
     python preemptible.py --fake-data --checkpoint-dir checkpoints
     sbatch preemptible.sbatch --fake-data
@@ -15,6 +17,7 @@ bit, as an uninterrupted one.
 
 import argparse
 import hashlib
+import math
 import os
 import signal
 import sys
@@ -22,6 +25,52 @@ import time
 from pathlib import Path
 
 CHECKPOINTED = 75  # os.EX_TEMPFAIL: a checkpoint was saved, run me again to go on
+INTERRUPTED = 130  # Ctrl-C: saved too, but stopped by hand
+KEYS = {"model", "optimizer", "epoch", "step", "loss_sum", "images"}
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more (got {text})")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0 (got {text})")
+    return value
+
+
+def writable_dir(text):
+    """An output folder: created if needed; the reason given when it cannot be."""
+    path = Path(text)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot create {path}: {error.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write to {path}: permission denied")
+    return path
+
+
+def folder_path(text):
+    """A folder that may not exist yet, but cannot be a file or lie under one."""
+    path = Path(text)
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                raise argparse.ArgumentTypeError(f"{part} is a file, not a folder")
+            break
+    return path
 
 
 def parse_args(argv=None):
@@ -30,15 +79,19 @@ def parse_args(argv=None):
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=0.02)
-    parser.add_argument("--num-workers", type=int, default=0, help="DataLoader workers")
-    parser.add_argument("--data-dir", type=Path, default=Path("data"), help="CIFAR-10 folder")
+    parser.add_argument("--epochs", type=positive_int, default=5)
+    parser.add_argument("--batch-size", type=positive_int, default=64)
+    parser.add_argument("--lr", type=positive_float, default=0.02)
+    parser.add_argument(
+        "--num-workers", type=non_negative_int, default=0, help="DataLoader workers"
+    )
+    parser.add_argument(
+        "--data-dir", type=folder_path, default=Path("data"), help="CIFAR-10 folder"
+    )
     parser.add_argument("--fake-data", action="store_true", help="train on generated images")
-    parser.add_argument("--fake-size", type=int, default=8192, help="generated images")
-    parser.add_argument("--checkpoint-dir", type=Path, default=Path("checkpoints"))
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fake-size", type=positive_int, default=8192, help="generated images")
+    parser.add_argument("--checkpoint-dir", type=writable_dir, default="checkpoints")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     return parser.parse_args(argv)
 
 
@@ -48,11 +101,12 @@ def fail(message):
 
 
 class StopSignal:
-    """Records that SIGUSR1 or SIGTERM came; the training loop acts on it after its step."""
+    """Records that SIGUSR1, SIGTERM or SIGINT (Ctrl-C) came; the training loop acts on it after
+    its step."""
 
     def __init__(self):
         self.name = None
-        for signum in (signal.SIGUSR1, signal.SIGTERM):
+        for signum in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, self.record)
 
     def record(self, signum, frame):
@@ -60,9 +114,11 @@ class StopSignal:
 
 
 def ignore_sigterm(worker_id):
-    """In DataLoader workers: Slurm sends SIGTERM to every process of the job, and a worker
-    that dies of it stops the training before it saves. The main process stops them."""
+    """In DataLoader workers: Slurm sends SIGTERM to every process of the job (and Ctrl-C sends
+    SIGINT to every process in the terminal), and a worker that dies of it stops the training
+    before it saves. The main process stops them."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def save_checkpoint(torch, state, path):
@@ -83,19 +139,35 @@ def save_checkpoint(torch, state, path):
         os.close(folder)
 
 
+def mismatch(state, model):
+    """Why a file that loads is not a checkpoint of this script and model; None if it is."""
+    if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
+        return "not a checkpoint of this script: no model weights in it"
+    if missing := sorted(KEYS - state.keys()):
+        return f"not a checkpoint of this script: no {', '.join(missing)}"
+    ours = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    saved = {name: tuple(getattr(value, "shape", ())) for name, value in state["model"].items()}
+    for name in sorted(ours.keys() | saved.keys(), key=str):
+        if saved.get(name) != ours.get(name):  # a missing name, or another shape
+            return f"another model: {name} is {saved.get(name)} in the file, {ours.get(name)} here"
+    return None
+
+
 def load_checkpoint(torch, path, model, optimizer, device):
     """Restore the model and optimizer from path; return where the training stopped."""
     try:
         state = torch.load(path, map_location=device, weights_only=True)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-    except Exception as error:  # not a checkpoint, truncated, or from another model
+        reason = mismatch(state, model)  # another script's file, or another model's
+        if reason is None:
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            return state["epoch"], state["step"], state["loss_sum"], state["images"]
+    except Exception as error:  # not a checkpoint, or truncated
         reason = str(error).splitlines()[0].split(". ")[0] if str(error) else repr(error)
-        fail(
-            f"cannot resume from {path} ({reason}): delete it to start again, or pass "
-            "another --checkpoint-dir"
-        )
-    return state["epoch"], state["step"], state["loss_sum"], state["images"]
+    fail(
+        f"cannot resume from {path} ({reason}): delete it to start again, or pass "
+        "another --checkpoint-dir"
+    )
 
 
 def make_dataset(torch, args):
@@ -142,6 +214,10 @@ def weights_digest(model):
 def train(torch, args, model, optimizer, dataset, device, stop):
     """The training loop: resume, then look for a stop signal after every step."""
     path = args.checkpoint_dir / "checkpoint.pt"
+    for entry in (path, path.with_name(path.name + ".tmp")):  # what every save writes
+        if entry.is_dir():
+            fail(f"{entry} is a folder, and this run would write a checkpoint file there: "
+                 "move it away or choose another --checkpoint-dir")  # fmt: skip
     first_epoch, first_step, loss_sum, images = 0, 0, 0.0, 0
     if path.exists():
         first_epoch, first_step, loss_sum, images = load_checkpoint(
@@ -178,11 +254,18 @@ def train(torch, args, model, optimizer, dataset, device, stop):
             loss.backward()
             optimizer.step()
             step, seen = step + 1, seen + len(labels)
-            loss_sum, images = loss_sum + loss.item() * len(labels), images + len(labels)
+            value = loss.item()
+            if not math.isfinite(value):  # stop before a checkpoint saves it
+                fail(
+                    f"loss is {value} at epoch {epoch + 1}, step {step}: start again in a "
+                    "new --checkpoint-dir with a lower --lr (a resumed run keeps the learning "
+                    "rate it saved)"
+                )
+            loss_sum, images = loss_sum + value * len(labels), images + len(labels)
             if stop.name:  # the step is complete: save it, and stop
                 save_checkpoint(torch, state(epoch, step), path)
                 print(f"{stop.name}: checkpoint saved at epoch {epoch + 1}, step {step}")
-                sys.exit(CHECKPOINTED)
+                sys.exit(INTERRUPTED if stop.name == "SIGINT" else CHECKPOINTED)
         print(f"epoch {epoch + 1}: loss {loss_sum / images:.4f}, "
               f"{seen / (time.perf_counter() - start):.0f} images/s")  # fmt: skip
         loss_sum, images = 0.0, 0
@@ -203,7 +286,6 @@ def main(argv=None):
     torch.use_deterministic_algorithms(not use_cuda)  # some CUDA operations have no such version
     model = make_model(torch).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    args.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     print(f"{len(dataset)} images, {device.type}, checkpoints in {args.checkpoint_dir}")
 
     train(torch, args, model, optimizer, dataset, device, stop)
@@ -211,4 +293,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C before StopSignal was set up: nothing to save yet
+        print("preemptible.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

@@ -51,6 +51,18 @@ def positive_float(text):
     return value
 
 
+def writable_dir(text):
+    """An output folder: created if needed; the reason given when it cannot be."""
+    path = Path(text)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot create {path}: {error.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write to {path}: permission denied")
+    return path
+
+
 def enough_steps(text):
     value = int(text)
     if value < WAIT + WARMUP + ACTIVE:
@@ -74,14 +86,14 @@ def parse_args(argv=None):
     )
     parser.add_argument("--image-size", type=positive_int, default=64, help="pixels per side")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--output-dir", type=Path, default=Path("."))
+    parser.add_argument("--output-dir", type=writable_dir, default=".")
     parser.add_argument(
         "--init-timeout", type=positive_int, default=60, help="seconds to start all processes"
     )
     parser.add_argument(
         "--timeout", type=positive_int, default=1800, help="seconds a collective may wait"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     return parser.parse_args(argv)
 
 
@@ -105,6 +117,10 @@ def gpu_index(local_rank, visible):
 
 def distributed_env():
     """(rank, world size, local rank): torchrun's variables, srun's, or a single process."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS",
+                 "SLURM_LOCALID", "MASTER_PORT"):  # fmt: skip
+        if name in os.environ and not os.environ[name].isdecimal():
+            fail(f"{name}={os.environ[name]!r} is not a number (set by torchrun or srun)")
     if "RANK" in os.environ or "WORLD_SIZE" in os.environ:
         names = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
     elif "SLURM_NTASKS" in os.environ and os.environ["SLURM_NTASKS"] != "1":
@@ -114,12 +130,9 @@ def distributed_env():
     missing = [name for name in (*names, "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
     if missing:
         fail(f"{', '.join(missing)} not set: start this script with torchrun or srun")
-    values = []
-    for name in (*names, "MASTER_PORT"):
-        if not os.environ[name].isdigit():
-            fail(f"{name}={os.environ[name]!r} is not a number")
-        values.append(int(os.environ[name]))
-    rank, world, local_rank, _port = values
+    rank, world, local_rank, port = (int(os.environ[name]) for name in (*names, "MASTER_PORT"))
+    if not 0 < port < 65536:  # checked here: torch's error is a traceback
+        fail(f"MASTER_PORT={port} is not a port number (1 to 65535)")
     if rank >= world:
         fail(f"rank {rank} is outside a world of {world} processes ({names[0]}, {names[1]})")
     return rank, world, local_rank
@@ -265,4 +278,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("profile_steps.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

@@ -44,6 +44,18 @@ def positive_float(text):
     return value
 
 
+def writable_dir(text):
+    """An output folder: created if needed; the reason given when it cannot be."""
+    path = Path(text)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot create {path}: {error.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write to {path}: permission denied")
+    return path
+
+
 def run_name(text):
     if not text or "/" in text or text.startswith("."):
         raise argparse.ArgumentTypeError(f"must be a plain folder name (got {text!r})")
@@ -61,8 +73,8 @@ def parse_args(argv=None):
     parser.add_argument("--fake-size", type=positive_int, default=2048, help="images generated")
     parser.add_argument("--num-workers", type=non_negative_int, default=2)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    parser.add_argument("--output-dir", type=Path, default=Path("."))
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-dir", type=writable_dir, default=".")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument(
         "--run-name", type=run_name, help="the run's folder after the job id (default: seed<N>)"
     )
@@ -72,6 +84,13 @@ def parse_args(argv=None):
 def fail(message):
     print(f"train_tensorboard.py: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def check_job_ids():
+    """Slurm's array ids name the run's folder: whole numbers, or one line that says so."""
+    for name in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
+        if name in os.environ and not os.environ[name].isdecimal():
+            fail(f"{name}={os.environ[name]!r} is not a whole number (set by Slurm)")
 
 
 def run_dir(output_dir, name):
@@ -114,6 +133,7 @@ def train_epoch(model, loader, optimizer, scheduler, device, writer, step):
 
 def main(argv=None):
     args = parse_args(argv)
+    check_job_ids()
     if args.device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda but no GPU is visible: request one (e.g. #SBATCH --gpus-per-node=1)")
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -155,7 +175,7 @@ def main(argv=None):
         )
         rate = images_seen / (time.perf_counter() - start)
         if not math.isfinite(loss):
-            fail(f"loss is {loss} in epoch {epoch}: try a lower --lr")
+            fail(f"loss is {loss} at epoch {epoch}, step {step}: try a lower --lr")
         writer.add_scalar("epoch/loss", loss, epoch)
         writer.add_scalar("epoch/images_per_s", rate, epoch)
         writer.flush()  # on disk now: a job that ends early still has its curves
@@ -174,4 +194,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("train_tensorboard.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

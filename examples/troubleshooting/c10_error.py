@@ -73,4 +73,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("c10_error.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

@@ -112,4 +112,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("check_arch.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

@@ -20,6 +20,13 @@ import os
 import sys
 
 
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -28,7 +35,10 @@ def parse_args(argv=None):
     parser.add_argument("--fix", action="store_true", help="every rank calls all_reduce")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument(
-        "--init-timeout", type=int, default=10, help="seconds init and each collective may wait"
+        "--init-timeout",
+        type=positive_int,
+        default=10,
+        help="seconds init and each collective may wait",
     )
     return parser.parse_args(argv)
 
@@ -38,18 +48,28 @@ def fail(message):
     sys.exit(2)
 
 
+def env_int(name):
+    """A whole number from the environment, or one line that names the variable."""
+    text = os.environ[name]
+    if not text.isdecimal():
+        fail(f"{name}={text!r} is not a whole number (set by torchrun, or in the job script)")
+    return int(text)
+
+
 def main(argv=None):
     args = parse_args(argv)
     missing = [name for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
                if name not in os.environ]  # fmt: skip
     if missing:
         fail(f"{', '.join(missing)} not set: start this script with torchrun")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"):
+        env_int(name)  # checked here: torch's own error would be a traceback
     import torch
     import torch.distributed as dist
 
     device = torch.device("cpu")
     if args.device == "cuda":
-        local_rank = int(os.environ["LOCAL_RANK"])
+        local_rank = env_int("LOCAL_RANK")
         if local_rank >= torch.cuda.device_count():
             fail(f"local rank {local_rank} but {torch.cuda.device_count()} GPUs visible")
         device = torch.device("cuda", local_rank)
@@ -72,4 +92,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("collective_timeout.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

@@ -19,6 +19,7 @@ download on a login node before the job: compute nodes often have no internet.
 import argparse
 import datetime
 import fcntl
+import math
 import os
 import shutil
 import sys
@@ -29,17 +30,49 @@ from pathlib import Path
 ARCHIVE = "dataset.tar.gz"
 
 
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
+def non_negative_float(text):
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number, 0 or more (got {text})")
+    return value
+
+
+def folder_path(text):
+    """A folder that may not exist yet, but cannot be a file or lie under one."""
+    path = Path(text)
+    for part in (path, *path.parents):
+        if part.exists():
+            if not part.is_dir():
+                raise argparse.ArgumentTypeError(f"{part} is a file, not a folder")
+            break
+    return path
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--fix", choices=["rank0", "lock"], help="the way to avoid the race")
-    parser.add_argument("--data-dir", type=Path, default=Path("data"))
-    parser.add_argument("--fake-size", type=int, default=2000, help="samples in the dataset")
-    parser.add_argument("--chunk-delay", type=float, default=0.03, help="seconds per 64 KiB")
+    parser.add_argument("--data-dir", type=folder_path, default=Path("data"))
     parser.add_argument(
-        "--init-timeout", type=int, default=60, help="seconds init and each barrier may wait"
+        "--fake-size", type=positive_int, default=2000, help="samples in the dataset"
+    )
+    parser.add_argument(
+        "--chunk-delay", type=non_negative_float, default=0.03, help="seconds per 64 KiB"
+    )
+    parser.add_argument(
+        "--init-timeout",
+        type=positive_int,
+        default=60,
+        help="seconds init and each barrier may wait",
     )
     return parser.parse_args(argv)
 
@@ -47,6 +80,14 @@ def parse_args(argv=None):
 def fail(message):
     print(f"download_race.py: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def env_int(name):
+    """A whole number from the environment, or one line that names the variable."""
+    text = os.environ[name]
+    if not text.isdecimal():
+        fail(f"{name}={text!r} is not a whole number (set by torchrun, or in the job script)")
+    return int(text)
 
 
 def make_server(torch, folder, size):
@@ -106,6 +147,8 @@ def main(argv=None):
                if name not in os.environ]  # fmt: skip
     if missing:
         fail(f"{', '.join(missing)} not set: start this script with torchrun")
+    for name in ("RANK", "WORLD_SIZE", "MASTER_PORT"):
+        env_int(name)  # checked here: torch's own error would be a traceback
     import torch
     import torch.distributed as dist
 
@@ -137,4 +180,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("download_race.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

@@ -20,19 +20,36 @@ import socket
 import sys
 
 
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--fix", action="store_true", help="one GPU per process, checked")
-    parser.add_argument("--init-timeout", type=int, default=60, help="seconds to wait for ranks")
+    parser.add_argument(
+        "--init-timeout", type=positive_int, default=60, help="seconds to wait for ranks"
+    )
     return parser.parse_args(argv)
 
 
 def fail(message):
     print(f"duplicate_gpu.py: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def env_int(name):
+    """A whole number from the environment, or one line that names the variable."""
+    text = os.environ[name]
+    if not text.isdecimal():
+        fail(f"{name}={text!r} is not a whole number (set by torchrun, or in the job script)")
+    return int(text)
 
 
 def gpu_index(local_rank, visible):
@@ -62,6 +79,9 @@ def main(argv=None):
                if name not in os.environ]  # fmt: skip
     if missing:
         fail(f"{', '.join(missing)} not set: start this script with torchrun or srun")
+    local_rank = env_int("LOCAL_RANK")
+    for name in ("RANK", "WORLD_SIZE", "MASTER_PORT"):
+        env_int(name)  # checked here: torch's own error would be a traceback
     import torch
     import torch.distributed as dist
 
@@ -72,7 +92,7 @@ def main(argv=None):
     if not args.fix:
         device = torch.device("cuda")  # the bug: cuda:0 in every process
     else:
-        device = torch.device("cuda", gpu_index(int(os.environ["LOCAL_RANK"]), visible))
+        device = torch.device("cuda", gpu_index(local_rank, visible))
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=args.init_timeout)
     dist.init_process_group("nccl", timeout=timeout)
@@ -95,4 +115,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("duplicate_gpu.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

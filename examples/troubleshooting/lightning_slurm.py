@@ -24,19 +24,43 @@ import os
 import sys
 
 
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--devices", type=int, default=1, help="processes per node")
-    parser.add_argument("--num-nodes", type=int, default=1)
-    parser.add_argument("--init-timeout", type=int, default=30, help="seconds to wait for ranks")
+    parser.add_argument("--devices", type=positive_int, default=1, help="processes per node")
+    parser.add_argument("--num-nodes", type=positive_int, default=1)
+    parser.add_argument(
+        "--init-timeout", type=positive_int, default=30, help="seconds to wait for ranks"
+    )
     return parser.parse_args(argv)
+
+
+def fail(message):
+    print(f"lightning_slurm.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_env():
+    """The numbers Lightning reads from the environment: one line, not a traceback."""
+    for name in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE", "SLURM_NNODES",
+                 "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "MASTER_PORT"):  # fmt: skip
+        text = os.environ.get(name)
+        if text is not None and not text.isdecimal():
+            fail(f"{name}={text!r} is not a whole number (set by Slurm, or in the job script)")
 
 
 def main(argv=None):
     args = parse_args(argv)
+    check_env()
     import lightning as L
     import torch
     from lightning.pytorch.strategies import DDPStrategy
@@ -74,4 +98,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("lightning_slurm.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

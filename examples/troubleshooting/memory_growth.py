@@ -16,7 +16,29 @@ by more than --tolerance-mb. --leak keeps every step's loss with its whole graph
 """
 
 import argparse
+import math
 import sys
+
+
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more (got {text})")
+    return value
+
+
+def non_negative_float(text):
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number, 0 or more (got {text})")
+    return value
 
 
 def parse_args(argv=None):
@@ -24,12 +46,16 @@ def parse_args(argv=None):
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--steps", type=int, default=200, help="steps measured")
-    parser.add_argument("--warmup", type=int, default=20, help="steps before the first reading")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--tolerance-mb", type=float, default=10, help="MiB still called flat")
+    parser.add_argument("--steps", type=positive_int, default=200, help="steps measured")
+    parser.add_argument(
+        "--warmup", type=non_negative_int, default=20, help="steps before the first reading"
+    )
+    parser.add_argument("--batch-size", type=positive_int, default=64)
+    parser.add_argument(
+        "--tolerance-mb", type=non_negative_float, default=10, help="MiB still called flat"
+    )
     parser.add_argument("--leak", action="store_true", help="keep every loss with its graph")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     return parser.parse_args(argv)
 
 
@@ -53,7 +79,7 @@ def main(argv=None):
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     kept = []  # what --leak fills
-    readings = {}
+    readings = {0: resident_mb()} if args.warmup == 0 else {}  # --warmup 0: before step 1
     for step in range(1, args.warmup + args.steps + 1):
         inputs = torch.randn(args.batch_size, 256)
         labels = torch.randint(0, 10, (args.batch_size,))
@@ -75,4 +101,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("memory_growth.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

@@ -15,6 +15,7 @@ same gradients as the full batch. On CPU, --fix checks the gradients only, at a 
 """
 
 import argparse
+import math
 import sys
 
 FIXES = {  # name: (micro-batches used, autocast, checkpointing)
@@ -25,6 +26,27 @@ FIXES = {  # name: (micro-batches used, autocast, checkpointing)
 }
 
 
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
+def non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more (got {text})")
+    return value
+
+
+def positive_float(text):
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0 (got {text})")
+    return value
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -32,12 +54,16 @@ def parse_args(argv=None):
     )
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     parser.add_argument("--fix", action="store_true", help="compare the ways to need less memory")
-    parser.add_argument("--batch-size", type=int, default=16384)
-    parser.add_argument("--micro-batches", type=int, default=8, help="for gradient accumulation")
-    parser.add_argument("--width", type=int, default=2048, help="features per layer")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--memory-gb", type=float, default=1.0, help="cap on the GPU memory used")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=positive_int, default=16384)
+    parser.add_argument(
+        "--micro-batches", type=positive_int, default=8, help="for gradient accumulation"
+    )
+    parser.add_argument("--width", type=positive_int, default=2048, help="features per layer")
+    parser.add_argument("--layers", type=positive_int, default=8)
+    parser.add_argument(
+        "--memory-gb", type=positive_float, default=1.0, help="cap on the GPU memory used"
+    )
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     return parser.parse_args(argv)
 
 
@@ -123,4 +149,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("out_of_memory.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

@@ -18,15 +18,31 @@ import subprocess
 import sys
 
 
+def positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (got {text})")
+    return value
+
+
+def port(text):
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number from 1 to 65535 (got {text})")
+    return value
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--fix", action="store_true", help="derive each job's port from its id")
-    parser.add_argument("--port", type=int, default=29500, help="the fixed MASTER_PORT")
-    parser.add_argument("--job-ids", type=int, nargs=2, default=[4242001, 4242002])
-    parser.add_argument("--init-timeout", type=int, default=10, help="seconds to wait for ranks")
+    parser.add_argument("--port", type=port, default=29500, help="the fixed MASTER_PORT")
+    parser.add_argument("--job-ids", type=positive_int, nargs=2, default=[4242001, 4242002])
+    parser.add_argument(
+        "--init-timeout", type=positive_int, default=10, help="seconds to wait for ranks"
+    )
     parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)  # one job's rank 0
     return parser.parse_args(argv)
 
@@ -34,6 +50,14 @@ def parse_args(argv=None):
 def fail(message):
     print(f"port_in_use.py: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def env_int(name):
+    """A whole number from the environment, or one line that names the variable."""
+    text = os.environ[name]
+    if not text.isdecimal():
+        fail(f"{name}={text!r} is not a whole number (set by torchrun, or in the job script)")
+    return int(text)
 
 
 def job(args):
@@ -63,8 +87,13 @@ def start_job(args, job_id):
 
 def main(argv=None):
     args = parse_args(argv)
+    if "MASTER_PORT" in os.environ:  # a job's own (--job), or a job script's: torch reads it
+        env_int("MASTER_PORT")
     if args.job:
-        job(args)
+        try:
+            job(args)
+        except KeyboardInterrupt:  # Ctrl-C reaches the jobs too: the starter says it once
+            sys.exit(130)
         return
     first = start_job(args, args.job_ids[0])
     line = first.stdout.readline()  # the first job holds its port from now on
@@ -81,4 +110,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("port_in_use.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

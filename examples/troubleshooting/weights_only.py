@@ -13,7 +13,29 @@ options as an argparse.Namespace then fails to load. The script writes such a ch
 """
 
 import argparse
+import math
+import os
+import sys
 from pathlib import Path
+
+
+def positive_float(text):
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0 (got {text})")
+    return value
+
+
+def writable_dir(text):
+    """An output folder: created if needed; the reason given when it cannot be."""
+    path = Path(text)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot create {path}: {error.strerror}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write to {path}: permission denied")
+    return path
 
 
 def parse_args(argv=None):
@@ -22,8 +44,10 @@ def parse_args(argv=None):
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument("--fix", action="store_true", help="show the three ways out")
-    parser.add_argument("--output-dir", type=Path, default=Path("checkpoints"))
-    parser.add_argument("--lr", type=float, default=0.1, help="an option saved with the model")
+    parser.add_argument("--output-dir", type=writable_dir, default="checkpoints")
+    parser.add_argument(
+        "--lr", type=positive_float, default=0.1, help="an option saved with the model"
+    )
     return parser.parse_args(argv)
 
 
@@ -31,7 +55,6 @@ def main(argv=None):
     args = parse_args(argv)
     import torch
 
-    args.output_dir.mkdir(parents=True, exist_ok=True)
     model = torch.nn.Linear(4, 2)
     old = args.output_dir / "with_namespace.pt"
     torch.save({"model": model.state_dict(), "args": args}, old)  # pickles a Namespace
@@ -55,4 +78,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("weights_only.py: interrupted (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)
