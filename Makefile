@@ -4,6 +4,8 @@
 #   make html SPHINXOPTS=-Dlanguage=fr     build French into _build/html/fr/
 #   make html-all                          all four languages in one site, _build/html/
 #   make test                              the whole CPU test suite
+#   make html-all SITE=site.toml           a centre's edition (edition/template.toml)
+#   make site-check SITE=site.toml         verify it on the centre's cluster (login node)
 
 LANGUAGES    := en zh_CN ja fr
 TRANSLATIONS := zh_CN ja fr
@@ -24,13 +26,24 @@ export TORCHINDUCTOR_CACHE_DIR ?= $(CACHE)/inductor
 export PIP_CONSTRAINT        := $(CURDIR)/constraints.txt
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
+# A centre's edition: SITE=path/to/site.toml (edition/template.toml) builds the site with the
+# centre's job scripts, generated from it, into _build/<site file name>/html/<lang>/.
+SITE         ?=
+ifneq ($(SITE),)
+export PYTORCH_ON_HPC_SITE := $(abspath $(SITE))
+BUILDDIR     := $(BUILDDIR)/$(basename $(notdir $(SITE)))
+CHECK_SITE   := check-site
+endif
+CHECK_ARGS   ?=
+
 # The language of `make html`, from SPHINXOPTS=-Dlanguage=xx (English by default).
 lang := $(or $(patsubst -Dlanguage=%,%,$(filter -Dlanguage=%,$(SPHINXOPTS))),en)
 SPHINXBUILD = $(VENV)/bin/sphinx-build
 
 .DEFAULT_GOAL := help
 .PHONY: help venv html html-all gettext update-po test test-gpu test-slurm linkcheck serve \
-        clean clean-venv clean-cache system-packages node-packages slurm-up slurm-down
+        clean clean-venv clean-cache system-packages node-packages slurm-up slurm-down \
+        check-site edition site-check
 
 help:
 	@echo "make html       build one language (SPHINXOPTS=-Dlanguage=fr for French) into $(BUILDDIR)/html/<lang>/"
@@ -41,6 +54,10 @@ help:
 	@echo "make test-gpu   the GPU tests (uses the active python if it has torch)"
 	@echo "make test-slurm only the tests that submit job scripts to the tests' Slurm cluster (root)"
 	@echo "make slurm-up   start that cluster by hand (root); make slurm-down stops it"
+	@echo "make html-all SITE=site.toml  a centre's edition: its job scripts, its stamps"
+	@echo "make edition SITE=site.toml   only the centre's job scripts, to diff with examples/"
+	@echo "make site-check SITE=site.toml  on a login node: submit every job script, record"
+	@echo "                  (CHECK_ARGS=--dry-run prints what it would submit)"
 	@echo "make linkcheck  check every internal link of the built site"
 	@echo "make serve      live preview on http://127.0.0.1:8000"
 	@echo "make clean      remove $(BUILDDIR)/ ; make clean-venv removes $(VENV)/"
@@ -54,18 +71,30 @@ $(VENV)/.installed: requirements.txt constraints.txt
 	$(VPY) -m pip install --quiet -r requirements.txt
 	@touch $@
 
-html: venv
+html: venv $(CHECK_SITE)
 	@echo ">>> Building language '$(lang)' into $(BUILDDIR)/html/$(lang)/"
 	$(SPHINXBUILD) -b html $(STRICT) -c . $(SPHINXOPTS) source $(BUILDDIR)/html/$(lang)
 	@echo ">>> Open $(CURDIR)/$(BUILDDIR)/html/$(lang)/index.html"
 
-html-all: venv
+html-all: venv $(CHECK_SITE)
 	@for l in $(LANGUAGES); do \
 	  echo ">>> Building language '$$l' into $(BUILDDIR)/html/$$l/"; \
 	  $(SPHINXBUILD) -b html $(STRICT) -c . -Dlanguage=$$l $(SPHINXOPTS) source $(BUILDDIR)/html/$$l || exit 1; \
 	done
 	cp source/_root/index.html $(BUILDDIR)/html/index.html
 	@echo ">>> Open $(CURDIR)/$(BUILDDIR)/html/index.html (it sends you to your browser's language)"
+
+# One line naming the bad key, before anything is built.
+check-site:
+	@test -n "$(SITE)" || { echo "make: give the site file: SITE=path/to/site.toml" >&2; exit 2; }
+	@$(PYTHON_BASE) edition/sitefile.py $(SITE)
+
+edition: check-site
+	@$(PYTHON_BASE) edition/generate.py $(SITE) $(BUILDDIR)
+
+# Run by a centre's staff on a login node, with the venv active (the jobs' data are made there).
+site-check: check-site
+	$(PYTHON_BASE) edition/site_check.py $(SITE) $(CHECK_ARGS)
 
 gettext: venv
 	@echo ">>> Extracting messages into $(BUILDDIR)/gettext/"

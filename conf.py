@@ -28,6 +28,7 @@ extensions = [
     "sphinx_tabs.tabs",
     "sphinx_copybutton",
     "benchmark_results",  # the benchmark page's table and charts, from the committed CSVs
+    "site_edition",  # a centre's edition: its job scripts from its site file (make html SITE=...)
     "verification",  # stamps from tests/records/, a download link under every included script
     "interface_i18n",  # the theme's and copybutton's strings in the page's language, accessibility
     "search_terms",  # readers' words for each page (locale/<lang>/search-terms.toml), indexed

@@ -1,5 +1,6 @@
 """Shared fixtures: where things are, how an example runs, and which tests can run here."""
 
+import atexit
 import hashlib
 import importlib.metadata
 import json
@@ -21,6 +22,7 @@ import filelock
 import pytest
 
 # Each test run records which examples each test ran (tests/records.py, tests/records/).
+import records
 from records import (  # noqa: F401 (hooks: pytest finds them by name in this module)
     pytest_configure,
     pytest_runtest_makereport,
@@ -42,6 +44,15 @@ TRANSLATIONS = LANGUAGES[1:]
 LMOD_INIT = Path("/usr/share/lmod/lmod/init/bash")
 # The emulated site's file that defines `module` in batch jobs (tests/site/modules.sh).
 SITE_MODULES = Path("/etc/profile.d/modules.sh")
+
+# The site files of the tests' Slurm cluster and Grid Engine cell: their job scripts are the ones
+# edition/generate.py makes from these, as a centre's edition would (see test_edition()).
+SITES = TESTS / "sites"
+TEST_SITES = {
+    "slurm": SITES / "slurm-test-cluster.toml",
+    "gridengine": SITES / "gridengine-test-cell.toml",
+}
+sys.path.insert(0, str(ROOT / "edition"))
 
 # Warnings raised by the examples' own code (module __main__) are errors in the tests.
 OWN_WARNINGS_AS_ERRORS = "error:::__main__"
@@ -158,10 +169,40 @@ class Job:
     # reader prepares data or an image on a login node
 
 
+_editions = {}
+
+
+def test_edition(scheduler):
+    """examples/ as the tests' cluster (slurm) or cell (gridengine) edition has it: generated
+    from its site file once per test process, in a folder of its own."""
+    if scheduler not in _editions:
+        from generate import generate
+        from sitefile import load
+
+        folder = Path(tempfile.mkdtemp(prefix=f"pytorch-on-hpc-edition-{scheduler}-")).resolve()
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        generate(load(TEST_SITES[scheduler]), folder)
+        _editions[scheduler] = folder / "examples"
+        records.EDITIONS.append(folder / "examples")  # a copy from there ran the example
+    return _editions[scheduler]
+
+
+test_edition.__test__ = False  # not a test, despite its name
+
+
+def edition_file(name):
+    """The file a reader of the tests' cluster's edition gets for examples/<name>: the generated
+    version of a job script (.sbatch: the Slurm cluster's, .qsub: the Grid Engine cell's), else
+    the file itself."""
+    scheduler = {".sbatch": "slurm", ".qsub": "gridengine"}.get(Path(name).suffix)
+    return test_edition(scheduler) / name if scheduler else EXAMPLES / name
+
+
 def copy_example(tmp_path, *names):
-    """Copy example files into tmp_path, as a reader puts them side by side in one folder."""
+    """Copy example files into tmp_path, as a reader puts them side by side in one folder; job
+    scripts come from the tests' cluster's edition (edition_file)."""
     for name in names:
-        shutil.copy2(EXAMPLES / name, tmp_path / Path(name).name)
+        shutil.copy2(edition_file(name), tmp_path / Path(name).name)
     return tmp_path
 
 

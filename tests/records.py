@@ -44,6 +44,9 @@ SUITES = ("cpu", "slurm", "gridengine", "gpu")
 _PATHS = re.compile(re.escape(str(EXAMPLES)) + r"/[\w./+-]+")
 
 _touched = None  # the example files of the test that runs now; None between tests
+# Folders that hold an edition of examples/ (edition/generate.py): running or copying a file
+# from there runs the example it was generated from.
+EDITIONS = []
 
 
 def _note(path):
@@ -51,6 +54,9 @@ def _note(path):
         path = Path(path).resolve()
     except (TypeError, ValueError, OSError):
         return
+    for edition in EDITIONS:
+        if edition in path.parents:
+            path = EXAMPLES / path.relative_to(edition)
     if path.is_file() and EXAMPLES in path.parents and "__pycache__" not in path.parts:
         _touched.add(path.relative_to(EXAMPLES).as_posix())
 

@@ -5,13 +5,18 @@ The cell (tests/gridengine/cell.sh, Debian's gridengine packages) has one queue,
 these tests and stopped at the end.
 """
 
+import html
+import json
 import os
 import re
+import shutil
+import subprocess
+import sys
 import time
 
 import pytest
 
-from conftest import EXAMPLES, Job, copy_example, run
+from conftest import EXAMPLES, ROOT, TEST_SITES, VERSIONS, Job, copy_example, run
 
 pytestmark = pytest.mark.gridengine
 
@@ -149,3 +154,40 @@ def test_a_sweep_runs_as_an_array_job_then_one_job_collects_it(cell_env, tmp_pat
         out = (tmp_path / f"sweep.o{array}.{task}").read_text()
         assert f"Job {array}, task {task} of 1-4 on " in out, out
         assert f"task {task - 1}: lr=" in out, out
+
+
+def test_site_check_runs_every_job_script_of_the_cell_and_records_it(cell_env, tmp_path):
+    """make site-check with the cell's site file: the three job scripts (the array and the job
+    that waits for it included), the record, and the stamp the cell's edition shows."""
+    site = tmp_path / "site" / TEST_SITES["gridengine"].name
+    site.parent.mkdir()
+    shutil.copy(TEST_SITES["gridengine"], site)
+    proc = run(["make", "--no-print-directory", "site-check", f"SITE={site}",
+                f"CHECK_ARGS=--work-dir {tmp_path / 'work'} --max-jobs 2"],
+               cwd=ROOT, env=cell_env, timeout=600)  # fmt: skip
+    assert "the tests' Grid Engine cell: 3 of 3 job scripts passed. Record: " in proc.stdout
+    record = json.loads(site.with_name("gridengine-test-cell.record.json").read_text())
+    entries = record["examples"]
+    assert sorted(entries) == QSUB_SCRIPTS
+    for name, entry in entries.items():
+        assert entry["tests"]["site-check"][0] == "passed", (name, entry)
+        assert entry["state"] == "exit_status 0, failed 0" and entry["nodes"], (name, entry)
+        assert entry["edition_sha256"] != entry["sha256"], name  # the cell's own version ran
+    assert entries["first-job/check_pytorch.qsub"]["gpus"] == 1
+    assert entries["arrays/sweep.qsub"]["torch"].split("+")[0] == VERSIONS["cpu"]["torch"]
+    assert entries["arrays/sweep.qsub"]["scheduler"]
+    built = tmp_path / "html"
+    build = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-b", "html", "-q", "-W", "--keep-going", "-j", "auto",
+         "-c", ROOT, ROOT / "source", built],
+        env={**os.environ, "PYTORCH_ON_HPC_SITE": str(site)}, capture_output=True, text=True,
+        check=False,
+    )  # fmt: skip
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr
+    page = re.sub(r"<[^>]+>", "", (built / "workflows" / "arrays.html").read_text())
+    page = re.sub(r"\s+", " ", html.unescape(page))
+    page = re.search(r"Scripts on this page: .*? \(How this guide is tested\)", page)[0]
+    date = entries["arrays/sweep.qsub"]["date"]
+    assert (
+        f"Verified at the tests' Grid Engine cell on {date}: 1 of 1 job scripts passed" in page
+    ), page

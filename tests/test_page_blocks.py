@@ -84,6 +84,19 @@ BLOCKS = {
     ("cpp/libtorch.md", "[user@login libtorch]$ sbatch libtorch.sbatch"): ("console", "slurm"),
     ("cpp/libtorch.md", "(pytorch) [user@login libtorch]$ python show_build_info.py"):
         ("console", "local"),
+    ("about/centres.md", "$ python3 edition/sitefile.py site.toml"): ("not run", "site.toml is "
+     "the centre's own: test_edition.py runs sitefile.py on the template, on the tests' site "
+     "files and on broken copies, and records the message the page shows (bad-site.out)"),
+    ("about/centres.md", "$ make edition SITE=site.toml"): ("not run", "the centre's site file: "
+     "test_edition.py generates the editions of the template and of the tests' site files, "
+     "checks what changes, and records the diff the page shows"),
+    ("about/centres.md", "$ make html-all SITE=site.toml"): ("not run", "the centre's site "
+     "file: test_slurm.py and test_gridengine.py build the editions of the tests' site files "
+     "and check their scripts and stamps"),
+    ("about/centres.md", "$ make site-check SITE=site.toml CHECK_ARGS=--dry-run"): ("not run",
+     "needs the centre's login node: test_edition.py runs the dry run with the tests' site "
+     "files, and test_slurm.py and test_gridengine.py run make site-check against the tests' "
+     "cluster and cell"),
     ("distributed/horovod.md", "(pytorch) [user@login ~]$ bash install_horovod.sh --print-env"):
         ("console", "local"),
     ("distributed/pipeline.md", "try:"): ("python", "test_pages.py"),

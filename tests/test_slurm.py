@@ -5,9 +5,12 @@ each; it is started once for these tests and stopped at the end. Run only these 
 `make test-slurm`.
 """
 
+import html
 import json
 import os
 import re
+import signal
+import subprocess
 import sys
 import time
 import urllib.error
@@ -18,9 +21,12 @@ from pathlib import Path
 import pytest
 from recorded import check_recorded
 
-from conftest import EXAMPLES, Job, copy_example, run
+from conftest import EXAMPLES, TEST_SITES, VERSIONS, Job, copy_example, run
+from sitefile import load  # noqa: E402 (edition/, on the path from conftest)
 
 pytestmark = pytest.mark.slurm
+# How a job asks this cluster for n GPUs (tests/sites/slurm-test-cluster.toml).
+GPU_REQUEST = load(TEST_SITES["slurm"]).gpu_request
 
 
 # One entry per Slurm job script in examples/ (a test fails when one is missing).
@@ -729,7 +735,8 @@ def test_two_copies_of_a_distributed_job_share_a_node(cluster, job_env, tmp_path
     copy_example(tmp_path, script, *job.files)
     env = job_env_for(cluster, job_env)
     prepare(job, tmp_path, env)
-    one_node = ["--nodelist=n1", "--nodes=1", "--cpus-per-task=1", "--gpus-per-node=1",
+    # One GPU each, in the form of the cluster's site file (the script asks for GPUs that way).
+    one_node = ["--nodelist=n1", "--nodes=1", "--cpus-per-task=1", GPU_REQUEST(1),
                 "--mem=8G"]  # fmt: skip
     tasks = re.search(r"^#SBATCH --ntasks-per-node=(\d+)", (EXAMPLES / script).read_text(), re.M)
     if tasks and int(tasks[1]) > 1:  # one task per GPU: two tasks; one torchrun per node: one
@@ -895,3 +902,124 @@ def test_dump_stacks_shows_where_each_rank_of_a_hung_job_waits(cluster, job_env,
                   (r"Python v.*$", "Python v…")],
     )  # fmt: skip
     assert wait_for(job_id, env, timeout=60)["JobState"] == "CANCELLED"
+
+
+# make site-check against this cluster. A variant of its site file whose CPU partition does
+# not exist and which asks for node-local disk (the nodes declare none), and a benchmark that
+# needs a real GPU: every outcome a centre can meet, in one run of six job scripts.
+SITE_CHECK = {
+    "first-job/check_pytorch.sbatch": "passed",
+    "ddp/ddp_srun.sbatch": "passed",
+    "jupyter/jupyter.sbatch": "passed",  # a server: passes once it serves, then cancelled
+    "cpu-threads/cnn_cpu.sbatch": "refused",  # CPU partition "nosuch"
+    "data/train_shards.sbatch": "refused",  # --tmp=50G
+    "benchmark/resnet_benchmark.sbatch": "failed",  # no CUDA here
+}
+
+
+def site_variant(folder, **scheduler):
+    """The cluster's site file with [scheduler] keys changed or added, as folder/<same name>."""
+    text = TEST_SITES["slurm"].read_text(encoding="utf-8")
+    for key, value in scheduler.items():
+        line = f"{key} = {json.dumps(value)}"
+        text, found = re.subn(rf"^{key} = .*$", line, text, flags=re.M)
+        if not found:
+            text = text.replace("[scheduler]\n", f"[scheduler]\n{line}\n")
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / TEST_SITES["slurm"].name
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_site_check_records_each_outcome_and_the_edition_shows_it(cluster, job_env, tmp_path):
+    site = site_variant(tmp_path / "site", cpu_partition="nosuch", local_disk=True)
+    env = job_env_for(cluster, job_env)
+    only = " ".join(SITE_CHECK)
+    proc = run(["make", "--no-print-directory", "site-check", f"SITE={site}",
+                f"CHECK_ARGS=--only {only} --work-dir {tmp_path / 'work'}"],
+               cwd=EXAMPLES.parent, env=env, timeout=600, expect_rc=2)  # fmt: skip
+    out = proc.stdout
+    assert "the tests' Slurm cluster: 3 of 6 job scripts passed. Record: " in out, out
+    # The report: the scheduler's message for a refused job, the end of a failed job's log.
+    assert re.search(r"^refused +cpu-threads/cnn_cpu\.sbatch .*\n +sbatch: error: .*[Pp]artition",
+                     out, re.M), out  # fmt: skip
+    assert re.search(r"^refused +data/train_shards\.sbatch .*\n +sbatch: error: .*", out, re.M), out
+    assert re.search(r"^failed +benchmark/resnet_benchmark\.sbatch .*\n +FAILED \d+:0\n( +\| .*\n)+",
+                     out, re.M), out  # fmt: skip
+
+    record = json.loads(site.with_name("slurm-test-cluster.record.json").read_text())
+    assert record["suite"] == "site" and record["site"]["name"] == "the tests' Slurm cluster"
+    entries = record["examples"]
+    assert {name: e["tests"]["site-check"][0] for name, e in entries.items()} == SITE_CHECK
+    srun = entries["ddp/ddp_srun.sbatch"]
+    assert (srun["nodes"], srun["gpus"], srun["state"]) == ("n[1-2]", 4, "COMPLETED 0:0"), srun
+    assert srun["torch"].split("+")[0] == VERSIONS["cpu"]["torch"], srun  # from check_pytorch.py
+    assert srun["scheduler"].startswith("slurm"), srun  # sinfo --version: "slurm-wlm 22.05.8"
+    assert "partition" in entries["cpu-threads/cnn_cpu.sbatch"]["message"].lower()
+    failed = entries["benchmark/resnet_benchmark.sbatch"]
+    assert failed["log_tail"] and "resnet_benchmark.py: error:" in "\n".join(failed["log_tail"]), (
+        failed
+    )
+    assert not srun["log_tail"]
+
+    # The centre's edition, built with that record: its job scripts and its stamps.
+    built = tmp_path / "html"
+    build = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-b", "html", "-q", "-W", "--keep-going", "-j", "auto",
+         "-c", EXAMPLES.parent, EXAMPLES.parent / "source", built],
+        env={**os.environ, "PYTORCH_ON_HPC_SITE": str(site)}, capture_output=True, text=True,
+        check=False,
+    )  # fmt: skip
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr
+    first_job = text_of(built / "getting-started" / "first-job.html")
+    date = srun["date"]
+    assert (
+        f"Verified at the tests' Slurm cluster on {date}: 1 of 2 job scripts passed, 1 × GPU · "
+        "not run there in their current version: check_distributed.sbatch"
+    ) in first_job
+    assert (
+        "Edition of the tests' Slurm cluster: GPU jobs go to debug; CPU jobs to nosuch; GPUs "
+        "are requested with --gres=gpu:N; the account is tests" in first_job
+    )
+    benchmark = text_of(built / "performance" / "gpu-benchmark.html")
+    assert "0 of 1 job scripts passed · failed there: resnet_benchmark.sbatch" in benchmark
+    ddp = text_of(built / "distributed" / "ddp.html")
+    assert "4 × GPU" in ddp and "#SBATCH --gres=gpu:2" in ddp and "##SBATCH" not in ddp
+    downloads = list((built / "_downloads").rglob("ddp_srun.sbatch"))
+    assert downloads and "#SBATCH --partition=debug" in downloads[0].read_text()
+
+
+def text_of(path):
+    """A built page's text, without tags and with entities decoded."""
+    text = html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", "", path.read_text())))
+    return (
+        re.search(r"Scripts on this page: .*? \(How this guide is tested\)", text)[0]
+        + text.split("(How this guide is tested)", 1)[1]
+    )
+
+
+def test_ctrl_c_cancels_the_jobs_of_site_check(cluster, job_env, tmp_path):
+    env = job_env_for(cluster, job_env)
+    proc = subprocess.Popen(
+        [sys.executable, EXAMPLES.parent / "edition" / "site_check.py", TEST_SITES["slurm"],
+         "--only", "ddp/ddp_torchrun.sbatch", "--work-dir", tmp_path / "work",
+         "--record", tmp_path / "record.json"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    for line in proc.stdout:
+        if line.startswith("submitted ddp/ddp_torchrun.sbatch: job "):
+            job_id = line.split()[-1]
+            break
+    else:
+        pytest.fail(f"site-check submitted nothing:\n{proc.stderr.read()}")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out + err
+    assert err.strip().endswith(
+        f"site_check.py: interrupted (Ctrl-C): cancelled 1 job(s) ({job_id}); no record written"
+    ), err
+    assert "Traceback" not in err and not (tmp_path / "record.json").exists()
+    deadline = time.monotonic() + 30
+    while job_info(job_id, cluster["env"])["JobState"] != "CANCELLED":
+        assert time.monotonic() < deadline, job_info(job_id, cluster["env"])
+        time.sleep(0.2)

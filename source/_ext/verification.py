@@ -23,6 +23,7 @@ import re
 from hashlib import sha256
 from pathlib import Path
 
+import site_edition
 from docutils import nodes
 from sphinx import addnodes
 from sphinx.locale import _
@@ -160,6 +161,10 @@ def stamp(env, examples):
             files += nodes.Text(", " if i else "")
             files += nodes.literal(text=Path(name).name)
         paragraph.extend(fill(_("not tested in their current version: {files}"), files=files))
+    if site_edition.SITE is not None:
+        for part in centre_stamp(examples):
+            paragraph += nodes.Text(" · ")
+            paragraph.extend(part)
     paragraph += nodes.Text(" (")
     link = addnodes.pending_xref(
         "", nodes.inline(), refdomain="std", reftype="doc", reftarget=TESTING_PAGE,
@@ -169,21 +174,107 @@ def stamp(env, examples):
     paragraph += nodes.Text(")")
     for suite in SUITES:
         env.note_dependency(str(RECORDS / f"{suite}.json"))
+    if site_edition.SITE is not None:
+        env.note_dependency(str(site_edition.record_path(site_edition.SITE)))
+    return paragraph
+
+
+def centre_stamp(examples):
+    """In a centre's edition: the stamp of its site-check record for the page's job scripts,
+    as lists of nodes (none when the page shows no job script of the centre's scheduler)."""
+    site = site_edition.SITE
+    scripts = site_edition.job_scripts_of_the_centre(examples)
+    if not scripts:
+        return []
+    record = site_edition.load_record()
+    current = {
+        name: record[name] for name in scripts if name in record and not record[name]["stale"]
+    }
+    if not current:
+        return [fill(_("{centre}: not yet verified there (make site-check)"), centre=site.name)]
+    outcomes = {name: entry["tests"]["site-check"][0] for name, entry in current.items()}
+    passed = sum(outcome == "passed" for outcome in outcomes.values())
+    date = max(entry["date"] for entry in current.values())
+    parts = [fill(_("Verified at {centre} on {date}: {passed} of {total} job scripts passed"),
+                  centre=site.name, date=date, passed=passed, total=len(scripts))]  # fmt: skip
+    # The most GPUs one passing job used, and their model where the jobs printed it.
+    passing = [current[name] for name, outcome in outcomes.items() if outcome == "passed"]
+    gpus = max((entry.get("gpus") or 0 for entry in passing), default=0)
+    if gpus:
+        model = next((e["gpu"] for e in passing if e.get("gpu")), "GPU")
+        gpu_text = fill(_("{count} × {model}"), count=gpus, model=model)
+        parts[0] += [nodes.Text(", ")] + gpu_text
+    failed = sorted(name for name, outcome in outcomes.items() if outcome != "passed")
+    if failed:
+        parts.append(fill(_("failed there: {files}"), files=file_list(failed)))
+    missing = sorted(set(scripts) - set(current))
+    if missing:
+        parts.append(fill(_("not run there in their current version: {files}"),
+                          files=file_list(missing)))  # fmt: skip
+    return parts
+
+
+def file_list(names):
+    files = nodes.inline()
+    for i, name in enumerate(names):
+        files += nodes.Text(", " if i else "")
+        files += nodes.literal(text=Path(name).name)
+    return files
+
+
+def centre_note():
+    """In a centre's edition, under the stamp of a page with job scripts: what it chose."""
+    site = site_edition.SITE
+    code = nodes.literal
+    paragraph = nodes.paragraph(classes=["site-edition"])
+    centre = nodes.reference("", site.name, refuri=site.get("centre.documentation"))
+    paragraph += nodes.strong("", "", *fill(_("Edition of {centre}:"), centre=centre))
+    facts = [
+        fill(
+            _("GPU jobs go to {partition}"),
+            partition=code(text=site.get("scheduler.gpu_partition")),
+        ),
+        fill(
+            _("CPU jobs to {partition}"),
+            partition=code(text=site.get("scheduler.cpu_partition") or _("the default")),
+        ),
+        fill(_("GPUs are requested with {request}"), request=code(text=site.gpu_request("N"))),
+    ]
+    if site.get("scheduler.account"):
+        facts.append(
+            fill(_("the account is {account}"), account=code(text=site.get("scheduler.account")))
+        )
+    if site.get("modules.python"):
+        facts.append(fill(_("the modules are {modules}"),
+                          modules=code(text=" ".join(site.get("modules.python")))))  # fmt: skip
+    facts.append(fill(_("the venv is {venv}"), venv=code(text=site.get("environment.venv"))))
+    for i, fact in enumerate(facts):
+        paragraph += nodes.Text(" " if i == 0 else "; ")
+        paragraph.extend(fact)
+    paragraph += nodes.Text(". ")
+    paragraph += nodes.Text(
+        _(
+            "The site-specific blocks of the job scripts on this page are filled in with these "
+            "choices."
+        )
+    )
     return paragraph
 
 
 def included_example(node):
-    """The examples/ file a literal block was included from, or None."""
+    """The examples/ file (or, in a centre's edition, its generated version) a literal block
+    was included from, or None."""
     source = node.get("source")
     if not source:
         return None
     path = Path(source).resolve()
-    return path if EXAMPLES in path.parents and path.is_file() else None
+    generic = site_edition.generic_path(path)
+    return path if EXAMPLES in generic.parents and path.is_file() else None
 
 
 def source_line(env, config, path, block):
     """The line under an included block: its file, a download link, its repository folder."""
-    name = path.relative_to(EXAMPLES).as_posix()
+    name = site_edition.generic_path(path).relative_to(EXAMPLES).as_posix()
     docdir = Path(env.doc2path(env.docname)).parent
     whole = block.astext().strip() == path.read_text(encoding="utf-8").strip()
     download = addnodes.download_reference(
@@ -220,7 +311,7 @@ class VerificationTransform(SphinxTransform):
             path = included_example(block)
             if path is None:
                 continue
-            examples.append(path.relative_to(EXAMPLES).as_posix())
+            examples.append(site_edition.generic_path(path).relative_to(EXAMPLES).as_posix())
             block.parent.insert(
                 block.parent.index(block) + 1, source_line(self.env, self.config, path, block)
             )
@@ -228,6 +319,8 @@ class VerificationTransform(SphinxTransform):
         if section is None or not isinstance(section[0], nodes.title):
             return
         section.insert(1, stamp(self.env, sorted(set(examples))))
+        if site_edition.job_scripts_of_the_centre(examples):
+            section.insert(2, centre_note())
 
 
 class VerificationTable(SphinxDirective):

@@ -1,0 +1,368 @@
+"""A centre's job scripts, generated from the generic ones in examples/ and its site file.
+
+    python3 edition/generate.py site.toml OUTPUT_DIR      (make edition SITE=site.toml)
+
+writes a copy of examples/ into OUTPUT_DIR/examples/ in which every script of the centre's
+scheduler (and every setup script) has its site-specific blocks filled in from the site file,
+with nothing left to uncomment. Compare with `diff -ru examples OUTPUT_DIR/examples`.
+
+What changes, and nothing else:
+- the lines between each block's markers: ``# --- Site-specific: ...`` and the line of dashes
+  that closes it. Each line of a block matches one rule of RULES below (the account line, the
+  partition line, the module lines, VENV=..., the node-local folder, ...) and is replaced by the
+  centre's lines; comments are kept. A line no rule knows stops the generation, naming the file
+  and line, so that a new script cannot escape its centre's values;
+- outside the blocks, the GPU request (``#SBATCH --gpus-per-node=N``) in the centre's form, and
+  where the site file sets cores_per_gpu or memory_per_gpu, the cores and memory of GPU jobs.
+
+Job scripts of the other scheduler are copied unchanged. Standard library only.
+"""
+
+import re
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sitefile import SiteFileError, load  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+OPENING = re.compile(r"^# --- Site-specific\b.*$")
+CLOSING = re.compile(r"^# -{20,}$")
+WIDTH = 80  # of the marker lines
+COMMENT_COLUMN = 37  # where the comments of generated #SBATCH lines start, as in the examples
+
+
+class GenerateError(Exception):
+    """One line, naming the file and the line."""
+
+
+def scheduler_of(path):
+    return {".sbatch": "slurm", ".qsub": "gridengine"}.get(Path(path).suffix)
+
+
+def split_comment(line):
+    """(code, comment, column of the comment) of a line; comment is '' when there is none."""
+    match = re.match(r"^(\S.*?)(\s+)(#(?!SBATCH|\$).*)$", line)
+    if not match or line.startswith("# "):
+        return line.rstrip(), "", None
+    return match[1], match[3], len(match[1]) + len(match[2])
+
+
+def with_comment(code, comment, column=None):
+    if not comment:
+        return code
+    column = column or COMMENT_COLUMN
+    return f"{code.ljust(column - 1)} {comment}" if len(code) < column else f"{code}  {comment}"
+
+
+class Context:
+    """What the rules need to know about one file."""
+
+    def __init__(self, site, text):
+        self.site = site
+        self.gpu_job = bool(
+            re.search(r"^##?SBATCH --gpus-per-node=\d+", text, re.M)
+            or re.search(r"^#\$ -l gpu=\d+", text, re.M)
+        )
+
+    @property
+    def partition(self):
+        key = "gpu_partition" if self.gpu_job else "cpu_partition"
+        return self.site.get(f"scheduler.{key}"), f"scheduler.{key}"
+
+
+def site_lines(values, make, comment, column):
+    """One line per value, the generic line's comment on the last."""
+    lines = [make(value) for value in values]
+    if lines:
+        lines[-1] = with_comment(lines[-1], comment, column)
+    return lines
+
+
+# Each rule: (pattern of a block line, function(context, match, comment, column) -> lines).
+# A function returns the centre's lines; None keeps the line as it is.
+def _account(ctx, m, comment, col):
+    account = ctx.site.get("scheduler.account")
+    if not account:
+        return []
+    return [with_comment(f"#SBATCH --account={account}", "# site.toml: scheduler.account", col)]
+
+
+def _partition(ctx, m, comment, col):
+    partition, key = ctx.partition
+    if not partition:
+        return []
+    return [with_comment(f"#SBATCH --partition={partition}", f"# site.toml: {key}", col)]
+
+
+def _gpus(ctx, m, comment, col):
+    if ctx.site.scheduler == "gridengine":  # Grid Engine reads a comment as more options
+        return [f"#$ {ctx.site.gpu_request(m['n'])}"]
+    return [
+        with_comment(f"#SBATCH {ctx.site.gpu_request(m['n'])}", "# site.toml: scheduler.gpus", col)
+    ]
+
+
+def _optional_directive(key, make):
+    def rule(ctx, m, comment, col):
+        value = ctx.site.get(key)
+        return [with_comment(make(value, m), f"# site.toml: {key}", col)] if value else []
+
+    return rule
+
+
+def _pe(ctx, m, comment, col):
+    return [f"#$ -pe {ctx.site.get('scheduler.parallel_environment')} {m['n']}"]
+
+
+def _modules(key, keep_when_unset=True):
+    def rule(ctx, m, comment, col):
+        modules = ctx.site.get(key)
+        if modules is None:
+            return None if keep_when_unset else []
+        return site_lines(modules, lambda name: f"module load {name}", comment, col)
+
+    return rule
+
+
+def _init(ctx, m, comment, col):
+    lines = ctx.site.get("modules.init", [])
+    return site_lines(lines, lambda line: line, comment, col)
+
+
+def _assign(key, template, keep_when=None):
+    """VAR=... from the site file's key; None (keep the line) when the key is not set."""
+
+    def rule(ctx, m, comment, col):
+        value = ctx.site.get(key)
+        if value is None or value == keep_when:
+            return None
+        return [with_comment(template.format(value=value, **m.groupdict()), comment, col)]
+
+    return rule
+
+
+RULES = [
+    # Slurm directives of the first block
+    (r"##SBATCH --account=\S+", _account),
+    (r"##SBATCH --partition=\S+", _partition),
+    (r"##?SBATCH --gpus-per-node=(?P<n>\d+)", _gpus),
+    (
+        r"##SBATCH --tmp=(?P<size>\S+)",
+        _optional_directive("scheduler.local_disk", lambda v, m: f"#SBATCH --tmp={m['size']}"),
+    ),
+    (
+        r"##SBATCH --constraint=\S+",
+        _optional_directive("scheduler.gpu_constraint", lambda v, m: f"#SBATCH --constraint={v}"),
+    ),
+    # Grid Engine directives
+    (r"#\$ -pe \S+ (?P<n>\d+)", _pe),
+    (r"#\$ -l gpu=(?P<n>\d+)", _gpus),
+    # modules
+    (r"source /etc/profile\.d/modules\.sh", _init),
+    (r"module load python/\S+", _modules("modules.python")),
+    (r"module load gcc/\S+", _modules("modules.compiler")),
+    (r"module load miniconda3\S*", _modules("modules.conda")),
+    (r"module load apptainer/\S+", _modules("modules.apptainer")),
+    (r"CUDA_MODULE=\S+", _assign("modules.cuda", "CUDA_MODULE={value}")),
+    # the environment
+    (r"VENV=\$\{VENV:-[^}]+\}", _assign("environment.venv", "VENV=${{VENV:-{value}}}")),
+    (
+        r"CONDA_ENV=\$\{CONDA_ENV:-[^}]+\}",
+        _assign("environment.conda_env", "CONDA_ENV=${{CONDA_ENV:-{value}}}"),
+    ),
+    (
+        r"TORCH_BUILD=\$\{TORCH_BUILD:-\w+\}",
+        _assign("pytorch.build", "TORCH_BUILD=${{TORCH_BUILD:-{value}}}", keep_when="default"),
+    ),
+    (
+        r"TORCH_INDEX=\$\{TORCH_INDEX:-[^}]*\}",
+        _assign("pytorch.index_url", "TORCH_INDEX=${{TORCH_INDEX:-{value}}}"),
+    ),
+    (r"WHEELHOUSE=\$\{WHEELHOUSE:-\}", lambda *_: None),
+    # storage
+    (
+        r"LOCAL=\$\{SLURM_TMPDIR:-\$\{TMPDIR:-/tmp\}\}",
+        _assign("storage.node_local", "LOCAL=${{{value}:-/tmp}}"),
+    ),
+    (
+        r"export APPTAINER_TMPDIR=\$\{SLURM_TMPDIR:-/tmp\}(?P<rest>/\S+)",
+        _assign("storage.node_local", "export APPTAINER_TMPDIR=${{{value}:-/tmp}}{rest}"),
+    ),
+    (
+        r"CHECKPOINT_ROOT=\$\{CHECKPOINT_ROOT:-\$\{SCRATCH:-\$HOME/scratch\}/checkpoints\}",
+        _assign("storage.scratch", "CHECKPOINT_ROOT=${{CHECKPOINT_ROOT:-{value}/checkpoints}}"),
+    ),
+    (
+        r"CHECKPOINTS=\$\{SCRATCH:-\$PWD\}(?P<rest>/\S+)",
+        _assign("storage.scratch", "CHECKPOINTS={value}{rest}"),
+    ),
+    (
+        r"SHARDS=\$\{SHARDS:-shards\}",
+        _assign("storage.project", "SHARDS=${{SHARDS:-{value}/shards}}"),
+    ),
+    (
+        r"SHARED=\$\{SHARED:-compile-cache\}",
+        _assign("storage.project", "SHARED=${{SHARED:-{value}/compile-cache}}"),
+    ),
+    (
+        r"PROJECT_DIR=\$\{PROJECT_DIR:-[^}]+\}",
+        _assign("storage.project", "PROJECT_DIR=${{PROJECT_DIR:-{value}}}"),
+    ),
+    (
+        r"LOGIN_HOST=\$\{LOGIN_HOST:-[^}]+\}",
+        _assign("centre.login_host", "LOGIN_HOST=${{LOGIN_HOST:-{value}}}"),
+    ),
+    # kept as they are: the image a reader builds, the folders Apptainer binds
+    (r"IMAGE=\$\{IMAGE:-[^}]+\}", lambda *_: None),
+    (r"BIND=\$\{BIND-[^}]*\}", lambda *_: None),
+    (
+        r"export APPTAINER_CACHEDIR=\$\{APPTAINER_CACHEDIR:-\$APPTAINER_TMPDIR/cache\}",
+        lambda *_: None,
+    ),
+]
+RULES = [(re.compile(pattern), rule) for pattern, rule in RULES]
+
+
+def fill_block(ctx, name, lineno, lines):
+    out = []
+    for offset, line in enumerate(lines):
+        if line.startswith("#") and not re.match(r"^#(#?SBATCH|\$)", line):
+            out.append(line)  # a comment, kept
+            continue
+        code, comment, column = split_comment(line)
+        for pattern, rule in RULES:
+            match = pattern.fullmatch(code)
+            if match:
+                lines_for_site = rule(ctx, match, comment, column)
+                out.extend([line] if lines_for_site is None else lines_for_site)
+                break
+        else:
+            raise GenerateError(
+                f"{name}:{lineno + offset + 1}: a line of a site-specific block that "
+                f"edition/generate.py has no rule for: {line.strip()}"
+            )
+    if ctx.site.scheduler == "gridengine" and any(line.startswith("#$ ") for line in lines):
+        last = max(i for i, line in enumerate(out) if line.startswith("#$ "))
+        partition, _key = ctx.partition
+        extra = [f"#$ -q {partition}"] if partition else []
+        account = ctx.site.get("scheduler.account")
+        extra += [f"#$ -P {account}"] if account else []
+        out[last + 1 : last + 1] = extra
+    return out
+
+
+def opening_marker(site):
+    text = f"# --- Site-specific: {site.name}, generated from site.toml "
+    return text + "-" * max(3, WIDTH - len(text))
+
+
+def header_lines(ctx, lines):
+    """Outside the blocks: the GPU request; cores and memory per GPU where the site sets them."""
+    text = "\n".join(lines)
+    gpus = re.search(r"^#SBATCH --gpus-per-node=(\d+)", text, re.M)
+    if ctx.site.scheduler != "slurm" or not gpus:
+        return lines
+    gpus = int(gpus[1])
+    tasks = re.search(r"^#SBATCH --ntasks-per-node=(\d+)", text, re.M)
+    single = re.search(r"^#SBATCH --nodes=1\b", text, re.M) and re.search(
+        r"^#SBATCH --ntasks=(\d+)", text, re.M
+    )
+    tasks = int(tasks[1]) if tasks else int(single[1]) if single else 1
+    cores, memory = (
+        ctx.site.get("scheduler.cores_per_gpu"),
+        ctx.site.get("scheduler.memory_per_gpu"),
+    )
+    out = []
+    for line in lines:
+        code, comment, column = split_comment(line)
+        if m := re.fullmatch(r"#SBATCH --gpus-per-node=(\d+)", code):
+            code = "#SBATCH " + ctx.site.gpu_request(m[1])
+        elif cores and re.fullmatch(r"#SBATCH --cpus-per-task=\d+", code):
+            code = f"#SBATCH --cpus-per-task={max(1, cores * gpus // tasks)}"
+            comment = f"# site.toml: {cores} cores per GPU"
+        elif memory and re.fullmatch(r"#SBATCH --mem=\S+", code):
+            number, unit = int(memory[:-1]), memory[-1]
+            code = f"#SBATCH --mem={number * gpus}{unit}"
+            comment = f"# site.toml: {memory} per GPU"
+        else:
+            out.append(line)
+            continue
+        out.append(with_comment(code, comment, column))
+    return out
+
+
+def generate_text(site, name, text):
+    """The centre's version of one file (name: its path under examples/)."""
+    if scheduler_of(name) not in (None, site.scheduler) or not re.search(
+        OPENING.pattern, text, re.M
+    ):
+        return text
+    ctx = Context(site, text)
+    lines = text.split("\n")
+    out, i, outside = [], 0, []
+    while i < len(lines):
+        line = lines[i]
+        if OPENING.match(line):
+            out.extend(header_lines(ctx, outside))
+            outside = []
+            end = next((j for j in range(i + 1, len(lines)) if CLOSING.match(lines[j])), None)
+            if end is None:
+                raise GenerateError(
+                    f"{name}:{i + 1}: a site-specific block without its closing line"
+                )
+            out.append(opening_marker(site))
+            out.extend(fill_block(ctx, name, i + 1, lines[i + 1 : end]))
+            out.append(lines[end])
+            i = end + 1
+            continue
+        outside.append(line)
+        i += 1
+    out.extend(header_lines(ctx, outside))
+    result = "\n".join(out)
+    left = re.search(r"^##SBATCH.*$", result, re.M)
+    if left:
+        raise GenerateError(f"{name}: a directive is still commented out: {left[0]}")
+    return result
+
+
+def generate(site, output):
+    """Write the edition's examples/ into output/examples; return the files that changed."""
+    target = Path(output) / "examples"
+    if target.exists():
+        shutil.rmtree(target)
+    changed = []
+    for path in sorted(EXAMPLES.rglob("*")):
+        if not path.is_file() or "__pycache__" in path.parts:
+            continue
+        name = path.relative_to(EXAMPLES).as_posix()
+        dest = target / name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, dest)
+        if path.suffix in (".sbatch", ".qsub", ".sh"):
+            text = path.read_text(encoding="utf-8")
+            new = generate_text(site, name, text)
+            if new != text:
+                dest.write_text(new, encoding="utf-8")
+                changed.append(name)
+    return changed
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 2:
+        sys.exit("usage: python3 edition/generate.py path/to/site.toml OUTPUT_DIR")
+    try:
+        site = load(argv[0])
+        changed = generate(site, argv[1])
+    except (SiteFileError, GenerateError) as error:
+        sys.exit(f"generate.py: error: {error}")
+    out = Path(argv[1]) / "examples"
+    print(f"{site.name}: {len(changed)} scripts filled in from {site.path}, in {out}/")
+    print(f"See what changed with: diff -ru examples {out}")
+
+
+if __name__ == "__main__":
+    main()

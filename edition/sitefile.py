@@ -1,0 +1,303 @@
+"""The site file (site.toml): what differs between HPC centres, read and checked.
+
+One file holds a centre's choices: its name, its scheduler, partitions, account, how a job asks
+for GPUs, modules, where the environment lives, scratch and data folders, the PyTorch build its
+drivers need. edition/template.toml is the commented template; SCHEMA below is the reference
+that the template, the "For HPC centres" page and the checks all follow.
+
+A bad file stops whoever reads it (the edition's build, site-check) with one line naming the key:
+unknown keys are never ignored, required keys must be there, values must have their type and
+form. Standard library only (Python 3.11 or newer), so that site-check runs on a login node.
+"""
+
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10 or older, e.g. a login node's system python
+    sys.exit("site file: reading it needs Python 3.11 or newer (e.g. module load python/3.11)")
+
+# How a job asks for n GPUs (per node), with {n} where the count goes.
+GPU_FORMS = {
+    "slurm": [
+        (re.compile(r"--gpus-per-node=(?:[\w.-]+:)?\{n\}"), "--gpus-per-node={n}"),
+        (re.compile(r"--gres=gpu(?::[\w.-]+)?:\{n\}"), "--gres=gpu:{n} or --gres=gpu:a100:{n}"),
+    ],
+    "gridengine": [
+        (re.compile(r"-l [\w.]+=\{n\}"), "-l gpu={n}"),
+    ],
+}
+NAME = re.compile(r"[\w.@/+-]+")  # partitions, accounts, modules, variables, environments
+SIZE = re.compile(r"\d+[KMGT]")
+
+
+@dataclass(frozen=True)
+class Key:
+    kind: type  # str, int, list (of str), bool
+    required: bool
+    help: str
+    form: re.Pattern | None = None  # a str (or each str of a list) must match it
+    form_help: str = ""
+
+
+SCHEMA = {
+    "centre": {
+        "name": Key(str, True, "the centre's name, shown in the stamps: Verified at <name>"),
+        "documentation": Key(
+            str,
+            True,
+            "the centre's own documentation (https://...)",
+            re.compile(r"https?://\S+"),
+            "an http(s) address",
+        ),
+        "login_host": Key(
+            str, False, "the name users ssh to (Jupyter's tunnel)", NAME, "a host name"
+        ),
+    },
+    "scheduler": {
+        "kind": Key(
+            str, True, "slurm or gridengine", re.compile(r"slurm|gridengine"), "slurm or gridengine"
+        ),
+        "cpu_partition": Key(
+            str,
+            True,
+            'partition (Slurm) or queue (Grid Engine) of CPU jobs; "" for the default',
+            re.compile(r"[\w.@,-]*"),
+            "a partition name",
+        ),
+        "gpu_partition": Key(
+            str,
+            True,
+            "partition or queue of GPU jobs",
+            re.compile(r"[\w.@,-]+"),
+            "a partition name",
+        ),
+        "account": Key(
+            str,
+            False,
+            "the account (Slurm) or project (Grid Engine) charged",
+            re.compile(r"[\w.@-]*"),
+            "an account name",
+        ),
+        "gpus": Key(str, True, "how a job asks for {n} GPUs per node"),
+        "gpu_constraint": Key(
+            str,
+            False,
+            "a feature that selects one GPU model (benchmarks)",
+            re.compile(r"[\w.&|-]+"),
+            "a feature name",
+        ),
+        "cores_per_gpu": Key(int, False, "CPU cores a GPU job gets per GPU"),
+        "memory_per_gpu": Key(
+            str, False, "memory a GPU job gets per GPU, e.g. 64G", SIZE, "a size such as 64G"
+        ),
+        "local_disk": Key(bool, False, "jobs must ask for node-local disk (--tmp)"),
+        "parallel_environment": Key(
+            str, False, "Grid Engine: the shared-memory parallel environment (smp)", NAME, "a name"
+        ),
+    },
+    "modules": {
+        "init": Key(list, False, "lines that define `module` in batch jobs, where jobs lack it"),
+        "python": Key(
+            list,
+            True,
+            "modules for the Python the environment was built with",
+            NAME,
+            "module names",
+        ),
+        "compiler": Key(
+            list,
+            False,
+            "modules for a C++20 compiler and CMake (LibTorch, Horovod)",
+            NAME,
+            "module names",
+        ),
+        "cuda": Key(
+            str, False, "the CUDA toolkit's module name, without its version", NAME, "a module name"
+        ),
+        "conda": Key(list, False, "modules that provide conda", NAME, "module names"),
+        "apptainer": Key(list, False, "modules that provide apptainer", NAME, "module names"),
+    },
+    "environment": {
+        "venv": Key(
+            str,
+            True,
+            "where users keep the venv of make_venv.sh",
+            re.compile(r"[\w$/{}.:~-]+"),
+            "a path",
+        ),
+        "conda_env": Key(
+            str,
+            False,
+            "where users keep the conda environment",
+            re.compile(r"[\w$/{}.:~-]+"),
+            "a path",
+        ),
+    },
+    "storage": {
+        "node_local": Key(
+            str,
+            True,
+            "the variable naming a job's node-local scratch folder",
+            re.compile(r"[A-Z_][A-Z0-9_]*"),
+            "a variable name such as TMPDIR",
+        ),
+        "scratch": Key(
+            str,
+            True,
+            "lasting scratch space for checkpoints",
+            re.compile(r"[\w$/{}.:~-]+"),
+            "a path",
+        ),
+        "project": Key(
+            str,
+            True,
+            "project space shared by a group's jobs",
+            re.compile(r"[\w$/{}.:~-]+"),
+            "a path",
+        ),
+        "data": Key(
+            str,
+            False,
+            "the centre's shared datasets folder",
+            re.compile(r"[\w$/{}.:~-]+"),
+            "a path",
+        ),
+    },
+    "pytorch": {
+        "build": Key(
+            str,
+            True,
+            "the wheel build the centre's drivers need (#12)",
+            re.compile(r"default|cu130|cu128|cu126|cpu"),
+            "default, cu130, cu128, cu126 or cpu",
+        ),
+        "index_url": Key(
+            str,
+            False,
+            "a mirror of PyTorch's wheel server",
+            re.compile(r"https?://\S+"),
+            "an http(s) address",
+        ),
+    },
+}
+OPTIONAL_SECTIONS = set()
+
+
+class SiteFileError(Exception):
+    """One line, naming the file and the key."""
+
+
+@dataclass
+class Site:
+    path: Path
+    data: dict
+
+    def get(self, dotted, default=None):
+        section, key = dotted.split(".")
+        return self.data.get(section, {}).get(key, default)
+
+    @property
+    def name(self):
+        return self.get("centre.name")
+
+    @property
+    def scheduler(self):
+        return self.get("scheduler.kind")
+
+    @property
+    def slug(self):
+        """A folder name for the edition: the file's name without .toml."""
+        return re.sub(r"[^\w.-]", "-", self.path.name.removesuffix(".toml"))
+
+    def gpu_request(self, count):
+        return self.get("scheduler.gpus").replace("{n}", str(count))
+
+
+def load(path):
+    """The checked site file, or SiteFileError with one line naming the key."""
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise SiteFileError(f"{path}: cannot read it ({error.strerror})") from None
+    except tomllib.TOMLDecodeError as error:
+        raise SiteFileError(f"{path}: not valid TOML: {error}") from None
+    for section in data:
+        if section not in SCHEMA:
+            known = ", ".join(SCHEMA)
+            raise SiteFileError(f"{path}: unknown section [{section}] (known: {known})")
+        if not isinstance(data[section], dict):
+            raise SiteFileError(f"{path}: {section} must be a section, [{section}]")
+    for section, keys in SCHEMA.items():
+        values = data.get(section, {})
+        for key in values:
+            if key not in keys:
+                raise SiteFileError(
+                    f"{path}: unknown key {section}.{key} (known in [{section}]: {', '.join(keys)})"
+                )
+        for key, spec in keys.items():
+            where = f"{path}: {section}.{key}"
+            if key not in values:
+                if spec.required:
+                    raise SiteFileError(f"{where} is missing ({spec.help})")
+                continue
+            check_value(where, values[key], spec)
+    site = Site(path, data)
+    check_gpus(site)
+    return site
+
+
+def check_value(where, value, spec):
+    kind = {
+        str: "a string",
+        int: "a whole number",
+        list: "a list of strings",
+        bool: "true or false",
+    }
+    if spec.kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise SiteFileError(f"{where} must be a whole number of 1 or more (got {value!r})")
+    if spec.kind is list and not (
+        isinstance(value, list) and all(isinstance(item, str) for item in value)
+    ):
+        raise SiteFileError(f"{where} must be {kind[list]} (got {value!r})")
+    if spec.kind in (str, bool) and not isinstance(value, spec.kind):
+        raise SiteFileError(f"{where} must be {kind[spec.kind]} (got {value!r})")
+    if spec.form is not None:
+        for item in value if isinstance(value, list) else [value]:
+            if not spec.form.fullmatch(item):
+                raise SiteFileError(f"{where} must be {spec.form_help} (got {item!r})")
+
+
+def check_gpus(site):
+    where = f"{site.path}: scheduler.gpus"
+    form = site.get("scheduler.gpus")
+    forms = GPU_FORMS[site.scheduler]
+    if not any(pattern.fullmatch(form) for pattern, _example in forms):
+        known = "; ".join(example for _pattern, example in forms)
+        raise SiteFileError(
+            f"{where}: {form!r} is not a known form for {site.scheduler} (known: {known})"
+        )
+    if site.scheduler == "gridengine" and "parallel_environment" not in site.data["scheduler"]:
+        raise SiteFileError(
+            f"{site.path}: scheduler.parallel_environment is missing (Grid Engine needs it)"
+        )
+
+
+def main(argv=None):
+    """python edition/sitefile.py SITE: check a site file; one line and exit 1 when it is bad."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        sys.exit("usage: python edition/sitefile.py path/to/site.toml")
+    try:
+        site = load(argv[0])
+    except SiteFileError as error:
+        sys.exit(f"site file: error: {error}")
+    print(f"{site.path}: a valid site file for {site.name} ({site.scheduler})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""A centre's edition: the site file, the generated job scripts, site-check's plan, the build.
+
+The runs of site-check against the tests' Slurm cluster and Grid Engine cell are in
+test_slurm.py and test_gridengine.py, beside the other tests that use them.
+"""
+
+import json
+import re
+import sys
+import tomllib
+
+import pytest
+from recorded import check_recorded
+
+from conftest import EXAMPLES, ROOT, TEST_SITES, require_command, run
+
+EDITION = ROOT / "edition"
+TEMPLATE = EDITION / "template.toml"
+sys.path.insert(0, str(EDITION))
+from generate import GenerateError, generate, generate_text  # noqa: E402
+from sitefile import SCHEMA, load  # noqa: E402
+
+SITES = {"template": TEMPLATE, **TEST_SITES}
+JOB_SCRIPTS = sorted(str(p.relative_to(EXAMPLES)) for s in ("*.sbatch", "*.qsub")
+                     for p in EXAMPLES.rglob(s))  # fmt: skip
+BLOCK = re.compile(r"^# --- Site-specific.*?\n(.*?)^# -{20,}$", re.M | re.S)
+
+
+def minimal(tmp_path, scheduler="slurm", **changes):
+    """A site file with only the required keys (and changes: {"section.key": value or None})."""
+    data = {
+        "centre": {"name": "Minimal HPC", "documentation": "https://hpc.example.org"},
+        "scheduler": {"kind": scheduler, "cpu_partition": "", "gpu_partition": "gpu",
+                      "gpus": "--gpus-per-node={n}" if scheduler == "slurm" else "-l gpu={n}"},
+        "modules": {"python": []},
+        "environment": {"venv": "$HOME/venv"},
+        "storage": {"node_local": "TMPDIR", "scratch": "$SCRATCH", "project": "$PROJECT"},
+        "pytorch": {"build": "default"},
+    }  # fmt: skip
+    if scheduler == "gridengine":
+        data["scheduler"]["parallel_environment"] = "smp"
+    for dotted, value in changes.items():
+        section, key = dotted.split(".")
+        if value is None:
+            data.setdefault(section, {}).pop(key, None)
+        else:
+            data.setdefault(section, {})[key] = value
+    lines = []
+    for section, values in data.items():
+        lines.append(f"[{section}]")
+        lines += [f"{key} = {json.dumps(value)}" for key, value in values.items()]
+    path = tmp_path / "site.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("name", SITES)
+def test_the_template_and_the_tests_site_files_are_valid(name):
+    out = run([sys.executable, EDITION / "sitefile.py", SITES[name]], cwd=ROOT).stdout
+    assert "a valid site file for" in out
+
+
+def test_the_template_sets_every_key_of_the_schema():
+    """A maintainer learns the file from the template: every key is in it, set or commented."""
+    text = TEMPLATE.read_text()
+    for section, keys in SCHEMA.items():
+        assert f"[{section}]" in text
+        for key in keys:
+            assert re.search(rf"^#? ?{key} = ", text, re.M), (
+                f"{section}.{key} is not in the template"
+            )
+
+
+BAD = {
+    "unknown key": ({"scheduler.partiton": "gpu"}, "unknown key scheduler.partiton"),
+    "unknown section": ({"slurm.partition": "gpu"}, "unknown section [slurm]"),
+    "missing partition": ({"scheduler.gpu_partition": None}, "scheduler.gpu_partition is missing"),
+    "unknown GPU form": ({"scheduler.gpus": "--gpus={n}"}, "'--gpus={n}' is not a known form"),
+    "GPU form of the other scheduler": ({"scheduler.gpus": "-l gpu={n}"}, "scheduler.gpus"),
+    "wrong type": ({"scheduler.cores_per_gpu": "8"}, "cores_per_gpu must be a whole number"),
+    "bad size": ({"scheduler.memory_per_gpu": "64 GB"}, "scheduler.memory_per_gpu must be a size"),
+    "unknown scheduler": ({"scheduler.kind": "pbs"}, "scheduler.kind must be slurm or gridengine"),
+    "unknown build": ({"pytorch.build": "cu118"}, "pytorch.build must be default, cu130"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_a_bad_site_file_stops_with_one_line_naming_the_key(tmp_path, case):
+    changes, message = BAD[case]
+    path = minimal(tmp_path, **changes)
+    proc = run([sys.executable, EDITION / "sitefile.py", path], cwd=ROOT, expect_rc=1)
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith(f"site file: error: {path}: ") and message in proc.stderr, (
+        proc.stderr
+    )
+
+
+def test_a_site_file_that_is_not_toml_stops_with_one_line(tmp_path):
+    path = tmp_path / "site.toml"
+    path.write_text("[centre]\nname = Example\n")
+    proc = run([sys.executable, EDITION / "sitefile.py", path], cwd=ROOT, expect_rc=1)
+    assert proc.stderr.count("\n") == 1 and "not valid TOML" in proc.stderr, proc.stderr
+
+
+def test_make_html_with_a_bad_site_file_stops_before_building(tmp_path):
+    path = minimal(tmp_path, **{"scheduler.acount": "x"})
+    proc = run(["make", "--no-print-directory", "html", f"SITE={path}", f"BUILDDIR={tmp_path}"],
+               cwd=ROOT, expect_rc=2)  # fmt: skip
+    assert f"site file: error: {path}: unknown key scheduler.acount" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "sphinx" not in proc.stdout.lower(), proc.stdout
+    assert not list(tmp_path.glob("**/*.html"))
+
+
+@pytest.fixture(scope="module")
+def editions(tmp_path_factory):
+    """The edition of the template, of a site file with only the required keys, and of the
+    tests' cluster and cell: {name: (site, examples folder, changed files)}."""
+    out = {}
+    for name, path in [*SITES.items(), ("minimal", None), ("minimal-ge", None)]:
+        folder = tmp_path_factory.mktemp(name)
+        if path is None:
+            path = minimal(folder, "gridengine" if name == "minimal-ge" else "slurm")
+        site = load(path)
+        out[name] = (site, folder / "examples", generate(site, folder))
+    return out
+
+
+@pytest.mark.parametrize("name", [*SITES, "minimal", "minimal-ge"])
+def test_every_job_script_of_the_scheduler_is_filled_in(editions, name):
+    site, folder, changed = editions[name]
+    suffix = ".sbatch" if site.scheduler == "slurm" else ".qsub"
+    for script in JOB_SCRIPTS:
+        text = (folder / script).read_text()
+        if not script.endswith(suffix):
+            assert text == (EXAMPLES / script).read_text(), f"{script}: another scheduler's script"
+            continue
+        assert script in changed
+        assert "##SBATCH" not in text and "uncomment" not in text, script
+        assert f"# --- Site-specific: {site.name}, generated from site.toml" in text, script
+
+
+def outside_blocks(text):
+    return BLOCK.sub("", text).splitlines()
+
+
+@pytest.mark.parametrize("name", [*SITES, "minimal"])
+def test_only_the_blocks_and_the_gpu_request_cores_and_memory_change(editions, name):
+    """A maintainer can trust the diff: outside the blocks, only the resource lines change."""
+    _site, folder, changed = editions[name]
+    assert changed
+    for script in changed:
+        before = outside_blocks((EXAMPLES / script).read_text())
+        after = outside_blocks((folder / script).read_text())
+        assert len(before) == len(after), script
+        for old, new in zip(before, after, strict=True):
+            if old != new:
+                assert re.match(r"#SBATCH --(gpus-per-node|cpus-per-task|mem)=", old), (script, old)
+                assert re.match(r"#SBATCH --(gres=gpu:|gpus-per-node=|cpus-per-task=|mem=)", new), (
+                    new
+                )
+
+
+def test_the_template_gives_gpu_jobs_their_cores_and_memory_per_gpu(editions):
+    _site, folder, _changed = editions["template"]
+    expected = {  # script: (cores, memory) with 8 cores and 64G per GPU
+        "ddp/ddp_torchrun.sbatch": (16, "128G"),  # one task per node with 2 GPUs
+        "ddp/ddp_srun.sbatch": (8, "128G"),  # two tasks per node, one GPU each
+        "one-gpu/cnn_gpu.sbatch": (8, "64G"),
+    }
+    for script, (cores, memory) in expected.items():
+        text = (folder / script).read_text()
+        assert re.search(
+            rf"^#SBATCH --cpus-per-task={cores} +# site.toml: 8 cores per GPU$", text, re.M
+        )
+        assert re.search(rf"^#SBATCH --mem={memory} +# site.toml: 64G per GPU$", text, re.M)
+    cpu_job = (folder / "cpu-threads/cnn_cpu.sbatch").read_text()
+    assert cpu_job.count("site.toml: 8 cores") == 0 and "--partition=cpu " in cpu_job
+
+
+def test_the_tests_cluster_edition_asks_for_gpus_its_way(editions):
+    _site, folder, _changed = editions["slurm"]
+    text = (folder / "ddp/ddp_torchrun.sbatch").read_text()
+    assert "#SBATCH --gres=gpu:2 " in text and "--gpus-per-node" not in text.split("set -euo")[0]
+    assert "#SBATCH --partition=debug " in text and "#SBATCH --account=tests " in text
+    preemptible = (folder / "preemption/preemptible.sbatch").read_text()
+    assert "#SBATCH --gres=gpu:1 " in preemptible  # the commented GPU line, switched on
+    _site, folder, _changed = editions["gridengine"]
+    qsub = (folder / "first-job/check_pytorch.qsub").read_text()
+    directives = [line for line in qsub.splitlines() if line.startswith("#$ ")]
+    assert "#$ -q all.q" in directives and "#$ -l gpu=1" in directives
+    assert not [line for line in directives if "#" in line[2:]], (
+        "Grid Engine reads a comment as options"
+    )
+
+
+def test_without_optional_keys_the_optional_lines_go(editions):
+    _site, folder, _changed = editions["minimal"]
+    text = (folder / "ddp/ddp_torchrun.sbatch").read_text()
+    assert "--account" not in text and "--partition=gpu " in text
+    assert (
+        "--partition" not in (folder / "cpu-threads/cnn_cpu.sbatch").read_text().split("set -e")[0]
+    )
+    assert "--constraint" not in (folder / "benchmark/resnet_benchmark.sbatch").read_text()
+    assert "module load" not in (folder / "first-job/check_pytorch.sbatch").read_text()
+
+
+def test_a_block_line_without_a_rule_stops_the_generation():
+    site = load(TEMPLATE)
+    text = "#!/bin/bash\n# --- Site-specific: adapt ---\nexport FOO=bar\n# " + "-" * 30 + "\n"
+    with pytest.raises(GenerateError, match=r"^x\.sbatch:3: .* no rule for: export FOO=bar$"):
+        generate_text(site, "x.sbatch", text)
+
+
+@pytest.mark.parametrize("name", ["template", "slurm", "gridengine"])
+def test_the_generated_scripts_pass_shellcheck(editions, name):
+    require_command("shellcheck", "apt-get install shellcheck (make system-packages)")
+    _site, folder, changed = editions[name]
+    scripts = [folder / s for s in changed]
+    run(["shellcheck", "--shell=bash", "-x", *scripts], cwd=folder)
+
+
+def test_checks_toml_has_an_entry_for_every_job_script_and_its_files_exist():
+    checks = tomllib.loads((EDITION / "checks.toml").read_text())
+    assert sorted(checks) == JOB_SCRIPTS, "add the job script to edition/checks.toml"
+    for name, settings in checks.items():
+        for file in settings.get("files", []):
+            assert (EXAMPLES / file).is_file(), (name, file)
+        if "after" in settings:
+            assert settings["after"] in checks
+
+
+@pytest.mark.parametrize("scheduler", ["slurm", "gridengine"])
+def test_site_check_dry_run_prints_every_submission_and_submits_nothing(tmp_path, scheduler):
+    suffix = ".sbatch" if scheduler == "slurm" else ".qsub"
+    proc = run([sys.executable, EDITION / "site_check.py", TEST_SITES[scheduler], "--dry-run",
+                "--work-dir", tmp_path], cwd=ROOT, env={"PATH": "/usr/bin:/bin"})  # fmt: skip
+    scripts = [s for s in JOB_SCRIPTS if s.endswith(suffix)]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("  ")]
+    assert sorted(line.split(":")[0].strip() for line in lines) == scripts, proc.stdout
+    assert proc.stdout.rstrip().endswith("Dry run: nothing submitted."), proc.stdout
+    assert not (tmp_path / "jobs").exists()
+    tool = "sbatch --parsable" if scheduler == "slurm" else "qsub -terse"
+    assert all(tool in line for line in lines), lines
+    if scheduler == "slurm":
+        assert any(
+            "'--dependency=afterok:<id of arrays/sweep.sbatch>'" in line for line in lines
+        ), lines
+
+
+def test_site_check_without_a_scheduler_says_where_to_run_it(tmp_path):
+    proc = run([sys.executable, EDITION / "site_check.py", TEST_SITES["slurm"], "--work-dir",
+                tmp_path], cwd=ROOT, env={"PATH": "/nonexistent"}, expect_rc=1)  # fmt: skip
+    assert proc.stderr == (
+        "site_check.py: error: sbatch not found: "
+        "run it on a login node of the tests' Slurm cluster\n"
+    )
+
+
+def test_the_recorded_diff_on_the_centres_page_is_what_generate_makes(editions):
+    """The "For HPC centres" page shows what the template's site file changes in one script."""
+    _site, folder, _changed = editions["template"]
+    name = "ddp/ddp_torchrun.sbatch"
+    proc = run(["diff", "-u", "--label", f"examples/{name}", "--label", f"edition/{name}",
+                EXAMPLES / name, folder / name], cwd=ROOT, expect_rc=1)  # fmt: skip
+    check_recorded(EDITION / "template-ddp_torchrun.diff", proc.stdout)
+
+
+def test_the_recorded_message_on_the_centres_page_is_what_sitefile_prints(tmp_path):
+    """The "For HPC centres" page shows the message for a misspelt key."""
+    minimal(tmp_path, **{"scheduler.partiton": "gpu"})
+    proc = run([sys.executable, EDITION / "sitefile.py", "site.toml"], cwd=tmp_path, expect_rc=1)
+    check_recorded(EDITION / "bad-site.out", proc.stderr)
