@@ -360,6 +360,8 @@ def main(argv=None):
     except GenerateError as error:
         sys.exit(f"site_check.py: error: {error}")
     edition = work / "examples"
+    if not args.dry_run:  # every check starts afresh, as a new user would (no warm caches)
+        shutil.rmtree(work / "jobs", ignore_errors=True)
     jobs = {name: Job(name, s, work / "jobs" / name.replace("/", "-").rsplit(".", 1)[0])
             for name, s in checks.items()}  # fmt: skip
     print(

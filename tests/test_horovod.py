@@ -23,6 +23,7 @@ from conftest import (
     HOROVOD_WHEELS,
     TESTS,
     activated,
+    copy_example,
     epoch_losses,
     example_env,
     run,
@@ -314,3 +315,16 @@ def test_a_gpu_build_without_the_cuda_module_of_the_wheel_is_one_line(tmp_path):
         "install_horovod.sh: error: torch was built with CUDA 13.0 but there is no module "
         "cuda/13.0\n"
     )
+
+
+def test_the_job_script_without_horovod_in_the_venv_says_how_to_install_it(job_env, tmp_path):
+    """Found by make site-check on the tests' cluster: a venv without Horovod ended the job with
+    bash's "horovodrun: command not found"."""
+    copy_example(tmp_path, "horovod/horovod.sbatch", "horovod/horovod_train.py")
+    env = {**job_env, "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "4", "SLURM_NTASKS_PER_NODE": "2",
+           "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_CPUS_PER_TASK": "2"}  # fmt: skip
+    proc = run(["bash", "horovod.sbatch", "--fake-data"], cwd=tmp_path, env=env, expect_rc=1)
+    assert proc.stderr.strip().splitlines() == [
+        f"horovod.sbatch: error: no horovodrun in {env['VENV']}: install Horovod there with "
+        "install_horovod.sh --gpu"
+    ], proc.stderr

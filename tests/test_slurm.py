@@ -944,8 +944,8 @@ def test_site_check_records_each_outcome_and_the_edition_shows_it(cluster, job_e
     assert re.search(r"^refused +cpu-threads/cnn_cpu\.sbatch .*\n +sbatch: error: .*[Pp]artition",
                      out, re.M), out  # fmt: skip
     assert re.search(r"^refused +data/train_shards\.sbatch .*\n +sbatch: error: .*", out, re.M), out
-    assert re.search(r"^failed +benchmark/resnet_benchmark\.sbatch .*\n +FAILED \d+:0\n( +\| .*\n)+",
-                     out, re.M), out  # fmt: skip
+    failed_report = r"^failed +benchmark/resnet_benchmark\.sbatch .*\n +FAILED \d+:0\n( +\| .*\n)+"
+    assert re.search(failed_report, out, re.M), out
 
     record = json.loads(site.with_name("slurm-test-cluster.record.json").read_text())
     assert record["suite"] == "site" and record["site"]["name"] == "the tests' Slurm cluster"

@@ -20,15 +20,18 @@ locale/<lang>/LC_MESSAGES/sphinx.po, which Sphinx compiles and reads itself.
 import json
 import os
 import re
+import sys
 from hashlib import sha256
 from pathlib import Path
 
-import site_edition
 from docutils import nodes
 from sphinx import addnodes
 from sphinx.locale import _
 from sphinx.transforms import SphinxTransform
 from sphinx.util.docutils import SphinxDirective
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # site_edition, when the tests import this
+import site_edition  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -203,7 +206,7 @@ def centre_stamp(examples):
     if gpus:
         model = next((e["gpu"] for e in passing if e.get("gpu")), "GPU")
         gpu_text = fill(_("{count} × {model}"), count=gpus, model=model)
-        parts[0] += [nodes.Text(", ")] + gpu_text
+        parts[0] += [nodes.Text(_(", "))] + gpu_text  # before the GPUs
     failed = sorted(name for name, outcome in outcomes.items() if outcome != "passed")
     if failed:
         parts.append(fill(_("failed there: {files}"), files=file_list(failed)))
@@ -249,9 +252,9 @@ def centre_note():
                           modules=code(text=" ".join(site.get("modules.python")))))  # fmt: skip
     facts.append(fill(_("the venv is {venv}"), venv=code(text=site.get("environment.venv"))))
     for i, fact in enumerate(facts):
-        paragraph += nodes.Text(" " if i == 0 else "; ")
+        paragraph += nodes.Text(" " if i == 0 else _("; "))  # between two of the choices
         paragraph.extend(fact)
-    paragraph += nodes.Text(". ")
+    paragraph += nodes.Text(_(". "))  # after the last choice
     paragraph += nodes.Text(
         _(
             "The site-specific blocks of the job scripts on this page are filled in with these "
