@@ -251,6 +251,10 @@ def centre_note():
         facts.append(fill(_("the modules are {modules}"),
                           modules=code(text=" ".join(site.get("modules.python")))))  # fmt: skip
     facts.append(fill(_("the venv is {venv}"), venv=code(text=site.get("environment.venv"))))
+    if site.get("storage.data"):
+        facts.append(
+            fill(_("shared datasets are in {data}"), data=code(text=site.get("storage.data")))
+        )
     for i, fact in enumerate(facts):
         paragraph += nodes.Text(" " if i == 0 else _("; "))  # between two of the choices
         paragraph.extend(fact)
