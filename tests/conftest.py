@@ -198,6 +198,18 @@ def edition_file(name):
     return test_edition(scheduler) / name if scheduler else EXAMPLES / name
 
 
+def build_edition(site, out):
+    """The English pages of a centre's edition (as make html SITE=site builds them), strict."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-b", "html", "-q", "-W", "--keep-going", "-j", "auto",
+         "-c", ROOT, SOURCE, out],
+        env={**os.environ, "PYTORCH_ON_HPC_SITE": str(site)}, capture_output=True, text=True,
+        check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+    return out
+
+
 def copy_example(tmp_path, *names):
     """Copy example files into tmp_path, as a reader puts them side by side in one folder; job
     scripts come from the tests' cluster's edition (edition_file)."""

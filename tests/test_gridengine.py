@@ -10,13 +10,11 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 
 import pytest
 
-from conftest import EXAMPLES, ROOT, TEST_SITES, VERSIONS, Job, copy_example, run
+from conftest import EXAMPLES, ROOT, TEST_SITES, VERSIONS, Job, build_edition, copy_example, run
 
 pytestmark = pytest.mark.gridengine
 
@@ -177,13 +175,7 @@ def test_site_check_runs_every_job_script_of_the_cell_and_records_it(cell_env, t
     assert entries["arrays/sweep.qsub"]["torch"].split("+")[0] == VERSIONS["cpu"]["torch"]
     assert entries["arrays/sweep.qsub"]["scheduler"]
     built = tmp_path / "html"
-    build = subprocess.run(
-        [sys.executable, "-m", "sphinx", "-b", "html", "-q", "-W", "--keep-going", "-j", "auto",
-         "-c", ROOT, ROOT / "source", built],
-        env={**os.environ, "PYTORCH_ON_HPC_SITE": str(site)}, capture_output=True, text=True,
-        check=False,
-    )  # fmt: skip
-    assert build.returncode == 0, build.stdout[-3000:] + build.stderr
+    build_edition(site, built)
     page = re.sub(r"<[^>]+>", "", (built / "workflows" / "arrays.html").read_text())
     page = re.sub(r"\s+", " ", html.unescape(page))
     page = re.search(r"Scripts on this page: .*? \(How this guide is tested\)", page)[0]

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from recorded import check_recorded
 
-from conftest import EXAMPLES, TEST_SITES, VERSIONS, Job, copy_example, run
+from conftest import EXAMPLES, TEST_SITES, VERSIONS, Job, build_edition, copy_example, run
 from sitefile import load  # noqa: E402 (edition/, on the path from conftest)
 
 pytestmark = pytest.mark.slurm
@@ -964,13 +964,7 @@ def test_site_check_records_each_outcome_and_the_edition_shows_it(cluster, job_e
 
     # The centre's edition, built with that record: its job scripts and its stamps.
     built = tmp_path / "html"
-    build = subprocess.run(
-        [sys.executable, "-m", "sphinx", "-b", "html", "-q", "-W", "--keep-going", "-j", "auto",
-         "-c", EXAMPLES.parent, EXAMPLES.parent / "source", built],
-        env={**os.environ, "PYTORCH_ON_HPC_SITE": str(site)}, capture_output=True, text=True,
-        check=False,
-    )  # fmt: skip
-    assert build.returncode == 0, build.stdout[-3000:] + build.stderr
+    build_edition(site, built)
     first_job = text_of(built / "getting-started" / "first-job.html")
     date = srun["date"]
     assert (
