@@ -17,6 +17,8 @@ from conftest import EXAMPLES, ROOT, TEST_SITES, require_command, run
 EDITION = ROOT / "edition"
 TEMPLATE = EDITION / "template.toml"
 sys.path.insert(0, str(EDITION))
+import site_check  # noqa: E402
+
 from generate import GenerateError, generate, generate_text  # noqa: E402
 from sitefile import SCHEMA, load  # noqa: E402
 
@@ -270,3 +272,14 @@ def test_the_recorded_message_on_the_centres_page_is_what_sitefile_prints(tmp_pa
     minimal(tmp_path, **{"scheduler.partiton": "gpu"})
     proc = run([sys.executable, EDITION / "sitefile.py", "site.toml"], cwd=tmp_path, expect_rc=1)
     check_recorded(EDITION / "bad-site.out", proc.stderr)
+
+
+def test_site_check_reads_the_versions_and_the_gpu_from_check_pytorchs_output():
+    """On a real GPU node: the lines check_pytorch.py printed on the H200 of the GPU run."""
+
+    class Job:
+        log = (ROOT / "tests/records/gpu-run-2026-11-26-b/check_pytorch-cuda.out").read_text()
+
+    assert site_check.versions({"first-job/check_pytorch.sbatch": Job()}) == {
+        "torch": "2.11.0+cu130", "python": "3.12.3", "cuda": "13.0", "gpu": "NVIDIA H200",
+    }  # fmt: skip
