@@ -90,7 +90,7 @@ check-site:
 	@$(PYTHON_BASE) edition/sitefile.py $(SITE)
 
 edition: check-site
-	@$(PYTHON_BASE) edition/generate.py $(SITE) $(BUILDDIR)
+	@$(PYTHON_BASE) edition/generate.py $(SITE) $(BUILDDIR)/edition
 
 # Run by a centre's staff on a login node, with the venv active (the jobs' data are made there).
 site-check: check-site
