@@ -9,7 +9,7 @@ import torch
 from conftest import EXAMPLES, example_env, run
 
 CNN = EXAMPLES / "one-gpu" / "cnn_gpu.py"
-TINY = ["--fake-data", "--fake-size", "96", "--batch-size", "32", "--epochs", "1"]
+TINY = ["--fake-data", "--fake-size", "64", "--batch-size", "32", "--epochs", "1"]
 RUN_LINE = r"^{}: (\d+) images/s, loss (\S+), peak GPU memory (\S+(?: GiB)?) \((.*)\)$"
 
 
@@ -23,8 +23,14 @@ def test_benchmark_runs_the_naive_and_the_tuned_loop(tmp_path):
     assert naive and tuned, out
     assert "workers=0" in naive[4] and "amp=none" in naive[4] and "channels_last=False" in naive[4]
     assert "workers=1" in tuned[4] and "amp=bf16" in tuned[4] and "channels_last=True" in tuned[4]
+    # The script prints the ratio of its exact rates to one decimal, and the rates to whole
+    # images/s: the printed ratio is within 0.05 (rounding) of the printed rates' ratio, plus
+    # what rounding the rates adds. Which loop is faster depends on the CPU (bf16 without
+    # AVX512-BF16 or AMX is emulated and slower), so no verdict rests on it here.
     ratio = float(re.search(r"^Tuned / naive: (\S+)x$", out, re.M)[1])
-    assert ratio == pytest.approx(int(tuned[1]) / int(naive[1]), rel=0.1)
+    exact = int(tuned[1]) / int(naive[1])
+    rounding = exact * (0.5 / int(tuned[1]) + 0.5 / int(naive[1])) * 1.01
+    assert abs(ratio - exact) <= 0.05 + rounding + 1e-9, (ratio, exact, out)
     check_gpu_recording_shape(out)
 
 

@@ -10,6 +10,7 @@ With TESTS_START_METHOD set, it also sets multiprocessing's start method (see th
 """
 
 import importlib.abc
+import importlib.util
 import multiprocessing
 import os
 import sys
@@ -39,3 +40,71 @@ sys.meta_path.insert(0, _DefineTorchvisionOps())
 # workers: forkserver, the default from Python 3.14 on, pickles the dataset for each worker.
 if os.environ.get("TESTS_START_METHOD"):
     multiprocessing.set_start_method(os.environ["TESTS_START_METHOD"])
+
+
+class _ReuseCompiledOps(importlib.abc.MetaPathFinder):
+    """DeepSpeed compiles its CPU ops on first use (torch.utils.cpp_extension.load) into
+    TORCH_EXTENSIONS_DIR, which the tests keep in the machine's cache. torch's loader asks
+    ninja every time, and ninja rebuilds whenever the sources' path or age changed: in every
+    fresh clone, whose venv holds the same DeepSpeed sources at a new path (minutes per op).
+    Here an op is loaded from its build folder when that folder holds a library built from
+    sources with the same content and the same flags (a key written beside it after each
+    build); anything else goes through torch's loader as before. Runs once, on the first
+    import of deepspeed, so other programs pay nothing."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "deepspeed":
+            return None
+        sys.meta_path.remove(self)
+        import torch.utils.cpp_extension as cpp_extension  # noqa: PLC0415
+
+        original = cpp_extension.load
+
+        def load(name, sources, extra_include_paths=None, build_directory=None, **options):
+            folder = build_directory or cpp_extension._get_build_directory(name, False)
+            library = os.path.join(folder, f"{name}{cpp_extension.LIB_EXT}")
+            stamp = os.path.join(folder, "tests-source-key")
+            key = _source_key(sources, extra_include_paths or [], options)
+            if options.get("is_python_module", True) and os.path.exists(library):
+                try:
+                    with open(stamp, encoding="utf-8") as file:
+                        same = file.read() == key
+                except OSError:
+                    same = False
+                if same:
+                    spec = importlib.util.spec_from_file_location(name, library)
+                    module = importlib.util.module_from_spec(spec)
+                    spec.loader.exec_module(module)
+                    return module
+            module = original(name, sources, extra_include_paths,
+                              build_directory=build_directory, **options)  # fmt: skip
+            with open(f"{stamp}.tmp{os.getpid()}", "w", encoding="utf-8") as file:
+                file.write(key)
+            os.replace(f"{stamp}.tmp{os.getpid()}", stamp)
+            return module
+
+        cpp_extension.load = load
+        return None
+
+
+def _source_key(sources, include_paths, options):
+    """A digest of what an op is built from: the sources' and headers' content (not their
+    path or age), and the flags."""
+    import hashlib  # noqa: PLC0415
+
+    digest = hashlib.sha256()
+    files = list(sources)
+    for folder in include_paths:
+        for root, dirs, names in os.walk(folder):
+            dirs.sort()
+            files.extend(os.path.join(root, n) for n in sorted(names))
+    for path in files:
+        digest.update(os.path.basename(path).encode() + b"\0")
+        with open(path, "rb") as file:
+            digest.update(file.read())
+    flags = {k: v for k, v in options.items() if k not in ("verbose",)}
+    digest.update(repr(sorted(flags.items())).encode())
+    return digest.hexdigest()
+
+
+sys.meta_path.insert(0, _ReuseCompiledOps())
