@@ -41,7 +41,7 @@ lang := $(or $(patsubst -Dlanguage=%,%,$(filter -Dlanguage=%,$(SPHINXOPTS))),en)
 SPHINXBUILD = $(VENV)/bin/sphinx-build
 
 .DEFAULT_GOAL := help
-.PHONY: help venv html html-all gettext update-po test test-gpu test-slurm linkcheck serve \
+.PHONY: help venv html html-all gettext update-po test test-quick test-gpu test-slurm linkcheck serve \
         clean clean-venv clean-cache system-packages node-packages slurm-up slurm-down \
         check-site edition site-check
 
@@ -51,6 +51,7 @@ help:
 	@echo "make gettext    extract the English messages into $(BUILDDIR)/gettext/"
 	@echo "make update-po  extract, update locale/<lang>/LC_MESSAGES/*.po, normalise wrapping"
 	@echo "make test       the CPU test suite (examples, pages, translations, search)"
+	@echo "make test-quick lint, includes, catalogs, records: about a minute, no example runs"
 	@echo "make test-gpu   the GPU tests (uses the active python if it has torch)"
 	@echo "make test-slurm only the tests that submit job scripts to the tests' Slurm cluster (root)"
 	@echo "make slurm-up   start that cluster by hand (root); make slurm-down stops it"
@@ -119,6 +120,14 @@ tests/node/node_modules/.installed: tests/node/package.json tests/node/package-l
 test: venv system-packages node-packages
 	@echo ">>> Running the test suite; built ops and wheels are kept in $(CACHE)/ (make clean-cache)"
 	$(VPY) -m pytest $(PYTEST_ARGS)
+
+# A first verdict in about a minute, no example run: lint and shellcheck, every include and
+# python block of the pages, the catalogs and glossaries, the records, the site files.
+QUICK := tests/test_pages.py tests/test_translations.py tests/test_records.py \
+         tests/test_repo.py tests/test_edition.py
+test-quick: venv
+	@echo ">>> Quick checks (no example runs; make test runs everything)"
+	$(VPY) -m pytest $(QUICK) $(PYTEST_ARGS)
 
 # GPU tests. A GPU machine may reach no package registry: use the active python when it has
 # torch (and pytest), else the venv.

@@ -141,6 +141,11 @@ def job_env(tmp_path):
 
     The venv the scripts activate is the one the tests run in (VENV=sys.prefix).
     """
+    return make_job_env(tmp_path)
+
+
+def make_job_env(home):
+    """job_env's environment, with HOME in home."""
     if not LMOD_INIT.exists() or not SITE_MODULES.exists():
         pytest.skip(f"Lmod or {SITE_MODULES} is missing: run `make system-packages` as root")
     env = example_env(
@@ -148,7 +153,7 @@ def job_env(tmp_path):
         MODULEPATH=TESTS / "modulefiles",
         LMOD_IGNORE_CACHE=1,
         VENV=sys.prefix,
-        HOME=tmp_path,
+        HOME=home,
     )
     # Stand-ins for what a GPU site has and this machine lacks (tests/standins), last on PATH.
     env["PATH"] += f"{os.pathsep}{TESTS / 'standins'}"

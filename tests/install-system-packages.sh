@@ -3,9 +3,13 @@
 # ShellCheck, Lmod (environment modules for the job scripts) and the site file that defines
 # `module` in batch jobs (/etc/profile.d/modules.sh), Node.js (search index and workflow
 # linting, the browser tests' driver), g++ and cmake (Horovod, LibTorch, DeepSpeed's ops), libaio
-# (DeepSpeed's NVMe offload), Chromium (the browser tests, tests/node/browser.mjs) and hunspell
-# with its French dictionary (the French spell check). Does nothing when all are present.
-# Without root it lists what is missing; the tests that need it then skip, saying why. The
+# (DeepSpeed's NVMe offload), Chromium (the browser tests, tests/node/browser.mjs), the fonts
+# the browser tests render with (Liberation Sans, metric-compatible with the Arial/Helvetica of
+# Furo's font stack; Noto Sans CJK for Chinese and Japanese; DejaVu Sans, the wide font of the
+# word-break check) with fontconfig's fc-match, which the tests ask which fonts they get, and
+# hunspell with its French dictionary (the French spell check). Does nothing when all are present.
+# Without root it lists what is missing; the tests that need it then skip, saying why (the
+# browser tests fail instead when the fonts are missing: they would judge other fonts). The
 # Slurm and Grid Engine daemons are installed by tests/slurm/cluster.sh and
 # tests/gridengine/cell.sh when the tests start them.
 set -euo pipefail
@@ -19,6 +23,12 @@ command -v g++ >/dev/null || need+=(g++)
 command -v cmake >/dev/null || need+=(cmake)
 [[ -f /usr/include/libaio.h ]] || need+=(libaio-dev)
 command -v chromium >/dev/null || need+=(chromium)
+command -v fc-match >/dev/null || need+=(fontconfig)
+# A font is present when fontconfig lists it (fc-list -q fails when no font matches).
+has_font() { fc-list -q "$1" 2>/dev/null; }
+has_font 'Liberation Sans' || need+=(fonts-liberation2)
+has_font 'Noto Sans CJK JP' || need+=(fonts-noto-cjk)
+has_font 'DejaVu Sans' || need+=(fonts-dejavu-core)
 command -v hunspell >/dev/null || need+=(hunspell)
 [[ -f /usr/share/hunspell/fr_FR.dic || -f /usr/share/hunspell/fr.dic ]] || need+=(hunspell-fr)
 site_modules=/etc/profile.d/modules.sh

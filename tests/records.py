@@ -20,6 +20,7 @@ The site shows these records on every page (source/_ext/verification.py), and
 tests/test_records.py fails when a committed record no longer matches its file.
 """
 
+import contextlib
 import datetime
 import hashlib
 import json
@@ -79,6 +80,25 @@ def _audit(event, args):
 
 
 sys.addaudithook(_audit)
+
+
+@contextlib.contextmanager
+def followed():
+    """Follow, apart from the test that runs now, the example files touched inside the block:
+    a fixture that runs jobs on behalf of several tests (tests/test_slurm.py submits them all
+    at once) hands each test the files of its own job with credit()."""
+    global _touched
+    saved, _touched = _touched, set()
+    try:
+        yield _touched
+    finally:
+        _touched = saved
+
+
+def credit(names):
+    """Count the files followed() caught as run by the test that runs now."""
+    if _touched is not None:
+        _touched.update(names)
 
 
 def suite_of(item):

@@ -39,6 +39,7 @@ def test_tests_run_on_the_versions_the_pages_name():
         "gettext",
         "update-po",
         "test",
+        "test-quick",
         "test-gpu",
         "linkcheck",
         "serve",

@@ -334,6 +334,33 @@ def searches(lang):
     return wanted
 
 
+# The fonts the browser tests assume, as fontconfig gives them to Chromium: Furo's font stack
+# (Helvetica, Arial) resolves to Liberation Sans, Chinese and Japanese to Noto Sans CJK, and
+# DejaVu Sans is the wide font of the word-break check (browser.mjs). Where lines break, and so
+# the verdicts, depend on them. Pattern: the family fc-match must give, or begin with.
+BROWSER_FONTS = {
+    "Arial": "Liberation Sans",
+    "Helvetica": "Liberation Sans",
+    "sans-serif:lang=ja": "Noto Sans CJK",
+    "sans-serif:lang=zh-cn": "Noto Sans CJK",
+    "DejaVu Sans": "DejaVu Sans",
+}
+
+
+def _missing_fonts():
+    """What fontconfig resolves differently from BROWSER_FONTS, one line; empty when none."""
+    if shutil.which("fc-match") is None:
+        return "fc-match (fontconfig) is not installed"
+    wrong = []
+    for pattern, family in BROWSER_FONTS.items():
+        proc = subprocess.run(
+            ["fc-match", "-f", "%{family[0]}", pattern], capture_output=True, text=True, check=False
+        )
+        if not proc.stdout.strip().startswith(family):
+            wrong.append(f"{pattern} gives {proc.stdout.strip() or 'nothing'}, not {family}")
+    return "; ".join(wrong)
+
+
 @pytest.fixture(scope="module")
 def browser(site):
     """What Chromium saw, per language: the four languages run side by side."""
@@ -342,6 +369,10 @@ def browser(site):
     node_modules = TESTS / "node" / "node_modules"
     if not (node_modules / "playwright-core").is_dir() or not (node_modules / "axe-core").is_dir():
         pytest.skip("playwright-core and axe-core are not installed: run `make node-packages`")
+    # Fail, not skip: with other fonts the tests would judge another page than a reader's.
+    if missing := _missing_fonts():
+        how = "run `make system-packages` as root"
+        pytest.fail(f"the browser tests' fonts: {missing}; {how}", pytrace=False)
     out, _ = site
     server = subprocess.Popen(
         [sys.executable, "-u", "-m", "http.server", "0", "--bind", "127.0.0.1", "--directory", out],

@@ -19,9 +19,19 @@ from datetime import datetime
 from pathlib import Path
 
 import pytest
+import records
 from recorded import check_recorded
 
-from conftest import EXAMPLES, TEST_SITES, VERSIONS, Job, build_edition, copy_example, run
+from conftest import (
+    EXAMPLES,
+    TEST_SITES,
+    VERSIONS,
+    Job,
+    build_edition,
+    copy_example,
+    make_job_env,
+    run,
+)
 from sitefile import load  # noqa: E402 (edition/, on the path from conftest)
 
 pytestmark = pytest.mark.slurm
@@ -441,18 +451,75 @@ def test_every_slurm_job_script_has_a_test():
     assert sorted(JOBS) == SBATCH_SCRIPTS, "add the new job script to JOBS in tests/test_slurm.py"
 
 
-@pytest.mark.parametrize("script", [s for s in SBATCH_SCRIPTS if s not in OWN_TESTS])
+# The jobs of the two tests that submit every job script as it is and broken
+# (test_job_script_completes_under_slurm, test_a_broken_job_script_fails_under_slurm), less
+# those that activate a venv a fixture builds: submitted all at once by the first of them, so
+# that the cluster runs them side by side while each test collects its own.
+COMPLETES = [s for s in SBATCH_SCRIPTS if s not in OWN_TESTS]
+BREAKABLE = [s for s in SBATCH_SCRIPTS if s not in SERVERS | ARRAYS]
+FAULTS = ["wrong module", "missing file"]
+BATCHED = [
+    *((script, None) for script in COMPLETES if not JOBS[script].venv),
+    *((script, fault) for script in BREAKABLE if not JOBS[script].venv for fault in FAULTS),
+]
+
+
+def submit(script, fault, folder, env):
+    """Copy a job script and its files into folder (breaking it by fault: a module name with
+    a typo, or its files left out), prepare it as a reader would, and submit it; returns the
+    job id and the message its output must show when broken."""
+    job = JOBS[script]
+    copy_example(folder, script, *job.files)
+    name = script.split("/")[-1]
+    message = None
+    if fault == "wrong module":
+        text = (folder / name).read_text()
+        module = re.search(r"^module load (\S+)", text, re.M)
+        assert module, f"{script} loads no module"
+        (folder / name).write_text(text.replace(module[0], module[0] + "-typo", 1))
+        message = "unknown"
+    elif fault == "missing file":
+        for extra in job.files:
+            (folder / extra.split("/")[-1]).unlink()
+        message = "No such file"
+    prepare(job, folder, env)
+    return sbatch(name, *job.args, cwd=folder, env=env), message
+
+
+@pytest.fixture(scope="module")
+def batch(cluster, tmp_path_factory):
+    """{(script, fault): (job id, environment, message, example files it ran)} of BATCHED."""
+    submitted = {}
+    for script, fault in BATCHED:
+        folder = tmp_path_factory.mktemp("job")
+        env = job_env_for(cluster, make_job_env(folder))
+        with records.followed() as ran:
+            job_id, message = submit(script, fault, folder, env)
+        submitted[script, fault] = (job_id, env, message, set(ran))
+    return submitted
+
+
+def collect(batch, script, fault, cluster, job_env, tmp_path, request):
+    """The job of script (broken by fault) from the batch, or submitted now: (its id,
+    scontrol's fields and its output, the message a broken job must show)."""
+    if (script, fault) in batch:
+        job_id, env, message, ran = batch[script, fault]
+        records.credit(ran)  # this test judges the job the batch ran for it
+        info = wait_for(job_id, env, timeout=900)  # behind every job of the batch, at worst
+    else:
+        env = job_env_for(cluster, job_env, JOBS[script], request)
+        job_id, message = submit(script, fault, tmp_path, env)
+        info = wait_for(job_id, env)
+    return job_id, info, message
+
+
+@pytest.mark.parametrize("script", COMPLETES)
 def test_job_script_completes_under_slurm(
-    cluster, job_env, tmp_path, script, record_property, request
+    cluster, batch, job_env, tmp_path, script, record_property, request
 ):
     job = JOBS[script]
-    copy_example(tmp_path, script, *job.files)
-    env = job_env_for(cluster, job_env, job, request)
-    prepare(job, tmp_path, env)
-    start = time.perf_counter()
-    job_id = sbatch(script.split("/")[-1], *job.args, cwd=tmp_path, env=env)
-    info = wait_for(job_id, env)
-    record_property("timing", f"Slurm job {script}: {time.perf_counter() - start:.1f} s")
+    job_id, info, _ = collect(batch, script, None, cluster, job_env, tmp_path, request)
+    record_property("timing", f"Slurm job {script}: ran {info['RunTime']}")
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), info["output"]
     for line in job.expect:
         assert line.format(job_id=job_id) in info["output"], info["output"]
@@ -613,25 +680,12 @@ def test_scripts_started_by_srun_pick_their_gpu_with_gpu_index(path):
     assert not PICKS_A_GPU.search(text) or path in GPU_SCRIPTS, f"{path.name}: no gpu_index()"
 
 
-@pytest.mark.parametrize("script", [s for s in SBATCH_SCRIPTS if s not in SERVERS | ARRAYS])
-@pytest.mark.parametrize("fault", ["wrong module", "missing file"])
-def test_a_broken_job_script_fails_under_slurm(cluster, job_env, tmp_path, script, fault, request):
-    job = JOBS[script]
-    copy_example(tmp_path, script, *job.files)
-    name = script.split("/")[-1]
-    if fault == "wrong module":
-        text = (tmp_path / name).read_text()
-        module = re.search(r"^module load (\S+)", text, re.M)
-        assert module, f"{script} loads no module"
-        (tmp_path / name).write_text(text.replace(module[0], module[0] + "-typo", 1))
-        message = "unknown"
-    else:
-        for extra in job.files:
-            (tmp_path / extra.split("/")[-1]).unlink()
-        message = "No such file"
-    env = job_env_for(cluster, job_env, job, request)
-    prepare(job, tmp_path, env)
-    info = wait_for(sbatch(name, *job.args, cwd=tmp_path, env=env), env)
+@pytest.mark.parametrize("script", BREAKABLE)
+@pytest.mark.parametrize("fault", FAULTS)
+def test_a_broken_job_script_fails_under_slurm(
+    cluster, batch, job_env, tmp_path, script, fault, request
+):
+    _, info, message = collect(batch, script, fault, cluster, job_env, tmp_path, request)
     assert info["JobState"] == "FAILED" and info["ExitCode"] != "0:0", info["output"]
     assert message in info["output"], info["output"]
 

@@ -3,10 +3,11 @@
 // tests/test_site.py to judge. One run per language:
 //     node browser.mjs '{"base": "http://127.0.0.1:8000", "lang": "fr", "pages": [...], ...}'
 // Per page, at 1280 px and at 390 px (a phone): the switcher's links, axe-core's critical and
-// serious violations, horizontal overflow, and every visible interface string (text outside
-// the page body, accessible names, tooltips). Per language: searches, the copy button, the
-// tabs, the switcher keeping the section, and (with "redirects") the root page's choice of
-// language by the browser's. Every request that leaves 127.0.0.1 is reported.
+// serious violations, horizontal overflow, every visible interface string (text outside the
+// page body, accessible names, tooltips) and words broken across lines (at 390 px in a wide
+// font too). Per language: searches, the copy button, the tabs, the switcher keeping the
+// section, and (with "redirects") the root page's choice of language by the browser's. Every
+// request that leaves 127.0.0.1 is reported.
 import { createRequire } from "node:module";
 import { chromium } from "playwright-core";
 
@@ -68,10 +69,18 @@ function interfaceStrings() {
 }
 
 // Words drawn across two lines in headings and the sidebars: a name (DistributedDataParallel)
-// may wrap only where the site put <wbr>, a katakana word (インストール) not at all.
-function brokenWords() {
+// may wrap only where the site put <wbr>, a katakana word (インストール) not at all. With wide,
+// the same with those drawn in DejaVu Sans, as wide as a reader's phone font can be, whatever
+// fonts this machine has; Chinese and Japanese keep their font (DejaVu Sans has none of theirs).
+function brokenWords(wide = false) {
+  const selector = ".sidebar-tree a, .toc-tree a, article h1, article h2";
+  const style = document.createElement("style");
+  if (wide) {
+    style.textContent = `${selector} { font-family: "DejaVu Sans", var(--font-stack) !important; }`;
+    document.head.append(style);
+  }
   const broken = [];
-  for (const el of document.querySelectorAll(".sidebar-tree a, .toc-tree a, article h1, article h2")) {
+  for (const el of document.querySelectorAll(selector)) {
     if (!el.checkVisibility()) continue;
     const walker = document.createTreeWalker(el, NodeFilter.SHOW_TEXT);
     for (let node = walker.nextNode(); node; node = walker.nextNode()) {
@@ -80,10 +89,11 @@ function brokenWords() {
         range.setStart(node, match.index);
         range.setEnd(node, match.index + match[0].length);
         const lines = new Set([...range.getClientRects()].map((r) => Math.round(r.top)));
-        if (lines.size > 1) broken.push(match[0]);
+        if (lines.size > 1) broken.push(wide ? `${match[0]} (in DejaVu Sans)` : match[0]);
       }
     }
   }
+  style.remove();
   return broken;
 }
 
@@ -131,6 +141,7 @@ async function checkPage(context, name) {
       })),
   }));
   result.broken.push(...(await page.evaluate(brokenWords)));
+  result.broken.push(...(await page.evaluate(brokenWords, true)));
   await page.close();
   return result;
 }

@@ -7,6 +7,8 @@ transforms (not for torchvision.ops). The tests put this folder on PYTHONPATH; t
 scripts never need it, because on a GPU cluster torchvision loads normally.
 
 With TESTS_START_METHOD set, it also sets multiprocessing's start method (see the end).
+It also lets DeepSpeed's compiled ops be reused from the machine's cache in a fresh clone
+(_ReuseCompiledOps).
 """
 
 import importlib.abc
@@ -76,7 +78,7 @@ class _ReuseCompiledOps(importlib.abc.MetaPathFinder):
                     module = importlib.util.module_from_spec(spec)
                     spec.loader.exec_module(module)
                     return module
-            module = original(name, sources, extra_include_paths,
+            module = original(name, sources, extra_include_paths=extra_include_paths,
                               build_directory=build_directory, **options)  # fmt: skip
             with open(f"{stamp}.tmp{os.getpid()}", "w", encoding="utf-8") as file:
                 file.write(key)
