@@ -77,11 +77,12 @@ def pytest_collection_modifyitems(config, items):
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
     # Longest files first, so that pytest-xdist starts them at once: the Slurm tests wait about
-    # a minute for a job to overrun its time limit, the venv tests install PyTorch twice.
-    # On a cold cache, the Horovod build and DeepSpeed's op builds take minutes: start them early.
-    first = {"test_slurm.py": 0, "test_deepspeed.py": 1, "test_horovod.py": 2,
-             "test_install_venv.py": 3, "test_gridengine.py": 4}  # fmt: skip
-    items.sort(key=lambda item: first.get(item.path.name, 5))
+    # a minute for a job to overrun its time limit, the browser runs every page four times, the
+    # venv tests install PyTorch three times. On a cold cache, the site builds, the Horovod
+    # build and DeepSpeed's op builds take minutes: start them early.
+    first = {"test_slurm.py": 0, "test_site.py": 1, "test_deepspeed.py": 2, "test_horovod.py": 3,
+             "test_install_venv.py": 4, "test_gridengine.py": 5}  # fmt: skip
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))
 
 
 def pytest_terminal_summary(terminalreporter):
