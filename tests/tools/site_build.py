@@ -50,7 +50,8 @@ def _files():
             yield path
         elif path.is_dir():
             for found in sorted(path.rglob("*")):
-                if found.is_file() and "__pycache__" not in found.parts:
+                # Not the .mo files: the build itself compiles them from the .po catalogs.
+                if found.is_file() and "__pycache__" not in found.parts and found.suffix != ".mo":
                     yield found
 
 
