@@ -487,10 +487,17 @@ def submit(script, fault, folder, env):
 
 
 @pytest.fixture(scope="module")
-def batch(cluster, tmp_path_factory):
-    """{(script, fault): (job id, environment, message, example files it ran)} of BATCHED."""
+def batch(cluster, tmp_path_factory, request):
+    """{(script, fault): (job id, environment, message, example files it ran)} of the BATCHED
+    jobs whose tests this run selected (make test PYTEST_ARGS='-k ddp' submits only those)."""
+    selected = {
+        (item.callspec.params["script"], item.callspec.params.get("fault"))
+        for item in request.session.items
+        if item.originalname in ("test_job_script_completes_under_slurm",
+                                 "test_a_broken_job_script_fails_under_slurm")
+    }  # fmt: skip
     submitted = {}
-    for script, fault in BATCHED:
+    for script, fault in (job for job in BATCHED if job in selected):
         folder = tmp_path_factory.mktemp("job")
         env = job_env_for(cluster, make_job_env(folder))
         with records.followed() as ran:

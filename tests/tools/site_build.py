@@ -33,7 +33,7 @@ INPUTS = ["conf.py", "versions.toml", "requirements.txt", "source", "locale", "e
           "edition", "tests/records", "tests/sites"]  # fmt: skip
 # The environment variables conf.py and its extensions read.
 VARIABLES = ["SITE_URL", "REPOSITORY_URL", "PYTORCH_ON_HPC_SITE"]
-KEEP = 6  # builds kept in the cache, newest first
+KEEP = 24  # language builds kept in the cache, newest first: six sites of four languages
 
 
 def cache_root():
@@ -71,7 +71,7 @@ def key(lang, options=()):
     return digest.hexdigest()[:24]
 
 
-def build(lang, options=(), jobs="1"):
+def build(lang, options=()):
     """The cached build of lang: (its folder, {returncode, stdout, stderr, seconds, reused})."""
     folder = cache_root() / key(lang, options) / lang
     result = folder.parent / f"{lang}.json"
@@ -83,7 +83,7 @@ def build(lang, options=(), jobs="1"):
     scratch = Path(tempfile.mkdtemp(prefix=f".{lang}-", dir=folder.parent))
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "sphinx", "-b", "html", "-E", "-W", "--keep-going", "-j", jobs,
+        [sys.executable, "-m", "sphinx", "-b", "html", "-E", "-W", "--keep-going", "-j", "1",
          "-c", ROOT, "-d", scratch / "doctrees", f"-Dlanguage={lang}", *options, ROOT / "source",
          scratch / "html"],
         capture_output=True, text=True, check=False,
@@ -114,7 +114,7 @@ def build_all(langs, options=()):
 
 
 def prune():
-    """Keep the KEEP newest builds."""
+    """Keep the KEEP newest language builds."""
     root = cache_root()
     if not root.is_dir():
         return
