@@ -1,9 +1,13 @@
 """Run one example script many times in one process with bad input, and report what it did.
 
-Used by tests/test_bad_input.py: `python tests/bad_input.py SCRIPT args|env` prints a JSON list
-of cases, each with the command line or environment tried, the exit code, and what the script
-printed. Running the script's own code in one process (runpy, as `python SCRIPT` would) pays for
-`import torch` once instead of once per case.
+Used by tests/test_bad_input.py: `python tests/bad_input.py args|env SCRIPT...` prints a JSON
+object that gives, for each script, its list of cases (each with the command line or environment
+tried, the exit code, and what the script printed) or the error that stopped the harness. A script
+runs its own code (runpy, as `python SCRIPT` would) in a process forked for it from this one,
+which imported torch before the first: the suite pays for `import torch` once per mode, not once
+per case or per script, and each script still starts from a clean process. With one script, it
+runs in the working folder; with several, script N runs in the folder named N there, which the
+caller made.
 
 - `args`: every option of the script's own parser, found by asking argparse, gets values it must
   refuse: an integer option 0 (unless 0 means something, ZERO_OK) and -1; a number option -1 and
@@ -24,6 +28,7 @@ import multiprocessing
 import os
 import re
 import runpy
+import signal
 import sys
 import traceback
 from pathlib import Path, PurePath
@@ -228,11 +233,57 @@ def env_cases(script):
     return cases
 
 
-def main():
-    script, mode = Path(sys.argv[1]).resolve(), sys.argv[2]
+def cases_of(script, mode):
     A_FILE.write_text("not a folder\n")
-    cases = args_cases(script) if mode == "args" else env_cases(script)
-    sys.stdout.write(json.dumps(cases))
+    return args_cases(script) if mode == "args" else env_cases(script)
+
+
+def in_a_child(script, mode, folder, seconds=120):
+    """{"cases": [...]} or {"error": "..."}: the script's cases, tried in a forked process in
+    folder, so that what one script changes (modules, patched functions, the environment, the
+    working folder) is gone for the next."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: one script's cases, then exit without the parent's clean-up
+        os.close(read)
+        signal.alarm(seconds)  # a script that never returns ends as an error, not a hang
+        try:
+            os.chdir(folder)
+            result = {"cases": cases_of(script, mode)}
+        except BaseException as error:  # noqa: BLE001 (reported to the test as it is)
+            result = {"error": "".join(traceback.format_exception(error))[-3000:]}
+        with os.fdopen(write, "w", encoding="utf-8") as out:
+            json.dump(result, out)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, encoding="utf-8") as pipe:
+        text = pipe.read()
+    _, status = os.waitpid(pid, 0)
+    if not text:
+        return {"error": f"the harness ended without a result ({describe(status)})"}
+    return json.loads(text)
+
+
+def describe(status):
+    if os.WIFSIGNALED(status):
+        return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
+    return f"exit code {os.waitstatus_to_exitcode(status)}"
+
+
+def main():
+    mode, names = sys.argv[1], sys.argv[2:]
+    scripts = [Path(name).resolve() for name in names]
+    if mode not in ("args", "env") or not scripts:
+        raise SystemExit("usage: bad_input.py args|env SCRIPT...")
+    import torch  # noqa: F401, PLC0415 (once here, for every forked child)
+    import torch.distributed  # noqa: F401, PLC0415
+
+    folders = ["."] if len(scripts) == 1 else [str(index) for index in range(len(scripts))]
+    results = {
+        name: in_a_child(script, mode, folder)
+        for name, script, folder in zip(names, scripts, folders, strict=True)
+    }
+    sys.stdout.write(json.dumps(results))
 
 
 if __name__ == "__main__":

@@ -35,20 +35,53 @@ def checksums(folder):
     }
 
 
-def harness(tmp_path, script, mode):
-    """The cases the harness tried, run in tmp_path beside a checkpoint that must stay as it is."""
-    (tmp_path / "checkpoints").mkdir()
-    (tmp_path / "checkpoints" / "checkpoint.pt").write_bytes(b"a reader's checkpoint")
-    before = checksums(tmp_path / "checkpoints")
+def harness(folder, mode, scripts):
+    """{script: its cases} of the harness run on scripts, script N in folder/N (folder itself
+    for one script), each beside a checkpoint that must stay as it is."""
+    folders = [folder] if len(scripts) == 1 else [folder / str(n) for n in range(len(scripts))]
+    for each in folders:
+        (each / "checkpoints").mkdir(parents=True)
+        (each / "checkpoints" / "checkpoint.pt").write_bytes(b"a reader's checkpoint")
+    before = checksums(folders[0] / "checkpoints")
     proc = subprocess.run(
-        [sys.executable, HARNESS, script, mode],
-        cwd=tmp_path, env=example_env(), capture_output=True, text=True, timeout=300, check=False,
+        [sys.executable, HARNESS, mode, *scripts],
+        cwd=folder, env=example_env(), capture_output=True, text=True, timeout=900, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, (
         f"the harness failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     )
-    assert checksums(tmp_path / "checkpoints") == before, "a checkpoint changed"
-    return json.loads(proc.stdout)
+    results = {}
+    for script, each in zip(scripts, folders, strict=True):
+        result = json.loads(proc.stdout)[str(script)]
+        if checksums(each / "checkpoints") != before:
+            result = {"error": f"{script.name} changed the checkpoint beside it"}
+        results[script] = result
+    return results
+
+
+@pytest.fixture(scope="module")
+def harnessed(tmp_path_factory):
+    """harnessed(mode, script): the script's cases. The harness runs once per mode for all the
+    scripts of this module's tests (one `import torch`, a forked process per script)."""
+    runs = {}
+
+    def cases(mode, script):
+        if mode not in runs:
+            scripts = SCRIPTS if mode == "args" else ENV_SCRIPTS
+            runs[mode] = harness(tmp_path_factory.mktemp(f"bad-{mode}"), mode, scripts)
+        result = runs[mode][script]
+        if "error" in result:
+            pytest.fail(f"the harness failed on {script.name}:\n{result['error']}", pytrace=False)
+        return result["cases"]
+
+    return cases
+
+
+def one(folder, mode, script):
+    """The cases of one script, the harness run for it alone."""
+    result = harness(folder, mode, [script])[script]
+    assert "error" not in result, result["error"]
+    return result["cases"]
 
 
 def problems_of(case, name, code_ok):
@@ -77,10 +110,10 @@ def report(script, cases, key):
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=IDS)
-def test_bad_arguments_are_refused_when_parsed(tmp_path, script):
+def test_bad_arguments_are_refused_when_parsed(harnessed, script):
     """0 and -1 for integer options (0 where it means nothing), -1 and nan for numbers, a path
     under a regular file for paths: argparse's usage error naming the option, exit 2."""
-    cases = harness(tmp_path, script, "args")
+    cases = harnessed("args", script)
     for case in cases:
         name = case["option"] if case["option"].startswith("-") else f"argument {case['option']}"
         case["problems"] = problems_of(case, name, lambda code: code == 2)
@@ -93,10 +126,10 @@ ENV_SCRIPTS = [path for path in SCRIPTS if named_variables(path)]
 @pytest.mark.parametrize(
     "script", ENV_SCRIPTS, ids=[str(p.relative_to(EXAMPLES)) for p in ENV_SCRIPTS]
 )
-def test_variables_that_are_not_numbers_are_named(tmp_path, script):
+def test_variables_that_are_not_numbers_are_named(harnessed, script):
     """RANK=abc, MASTER_PORT=abc, SLURM_PROCID=abc, ... (each one the script names, the others of
     its launcher valid): one line naming the variable, a non-zero exit, before any work starts."""
-    cases = harness(tmp_path, script, "env")
+    cases = harnessed("env", script)
     assert cases, f"{script.name} names none of {NUMERIC_VARIABLES}"
     for case in cases:
         case["problems"] = problems_of(
@@ -120,12 +153,12 @@ def test_the_harness_sees_a_script_that_does_not_check(tmp_path):
     )
     work = tmp_path / "work"
     work.mkdir()
-    args = {case["argv"][-1] + case["option"]: case for case in harness(work, script, "args")}
+    args = {case["argv"][-1] + case["option"]: case for case in one(work, "args", script)}
     assert set(args) == {"0--batch-size", "-1--batch-size", "-1--lr", "nan--lr",
                          "a-file/sub--output-dir"}  # fmt: skip
     assert all(case["code"] == "accepted: the arguments were accepted" for case in args.values())
     (work / "checkpoints").rename(work / "old")
-    env = harness(work, script, "env")
+    env = one(work, "env", script)
     assert [case["variable"] for case in env] == ["RANK"]
     assert env[0]["code"] == "traceback" and "ValueError" in env[0]["stderr"]
 
