@@ -387,7 +387,7 @@ def browser(site):
                 "searches": [query for query, _ in searches(lang)],
                 "copyPage": "getting-started/install", "tabsPage": "getting-started/first-job",
                 "sectionLink": ["distributed/ddp", "two-timeouts-start-up-and-collectives"],
-                "redirects": lang == "en",
+                "redirects": lang == "en", "contrast": lang == "en",
             }  # fmt: skip
             runs[lang] = subprocess.Popen(
                 ["node", TESTS / "node" / "browser.mjs", json.dumps(config)],
@@ -452,6 +452,8 @@ def test_browser_phone_charts_legible_and_wide_content_scrolls_visibly(browser, 
 @pytest.mark.parametrize("lang", LANGUAGES)
 @pytest.mark.parametrize("page", PAGES)
 def test_browser_axe_finds_nothing_critical_or_serious(browser, lang, page):
+    """axe-core's rules, colour contrast on the English page only: the colours come from one
+    stylesheet for all four languages (no rule of custom.css changes a colour by language)."""
     assert _page(browser[lang], page)["axe"] == []
 
 
@@ -524,3 +526,15 @@ def test_browser_root_page_follows_the_browser_language(browser):
 @pytest.mark.parametrize("lang", LANGUAGES)
 def test_browser_nothing_leaves_the_machine(browser, lang):
     assert browser[lang]["outside"] == [], "requests to other hosts (the site must work offline)"
+
+
+def test_no_colour_depends_on_the_language():
+    """What lets the browser check colour contrast in English only: no rule of the site's
+    stylesheets that selects by language sets a colour or a background."""
+    for css in sorted((ROOT / "source" / "_static").glob("*.css")):
+        text = re.sub(r"/\*.*?\*/", "", css.read_text(encoding="utf-8"), flags=re.S)
+        for selector, body in re.findall(r"([^{}]*)\{([^{}]*)\}", text):
+            if ":lang(" in selector or "[lang" in selector:
+                assert not re.search(r"(^|[;\s])(color|background[\w-]*|opacity)\s*:", body), (
+                    f"{css.name}: {selector.strip()} sets a colour: check contrast in all languages"
+                )

@@ -110,3 +110,31 @@ def _source_key(sources, include_paths, options):
 
 
 sys.meta_path.insert(0, _ReuseCompiledOps())
+
+
+def _log_this_process(path):
+    """With TESTS_PROCESS_LOG=file: at exit, one JSON line per Python process the tests start
+    (test workers, examples, job steps): its command line, CPU seconds and whether it imported
+    torch. tests/tools/process_costs.py sums the file: where the suite's CPU goes."""
+    import atexit  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    start = time.monotonic()
+
+    def write():
+        import json  # noqa: PLC0415
+
+        times = os.times()
+        line = json.dumps({
+            "argv": sys.argv[:6], "cwd": os.getcwd()[-80:], "cpu": times.user + times.system,
+            "children": times.children_user + times.children_system,
+            "wall": time.monotonic() - start, "torch": "torch" in sys.modules,
+        })  # fmt: skip
+        with open(path, "a", encoding="utf-8") as file:
+            file.write(line + "\n")
+
+    atexit.register(write)
+
+
+if os.environ.get("TESTS_PROCESS_LOG"):
+    _log_this_process(os.environ["TESTS_PROCESS_LOG"])
