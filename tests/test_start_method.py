@@ -14,7 +14,7 @@ from conftest import EXAMPLES, activated, example_env, launch, make_fake_shards,
 
 # Examples whose DataLoader can have workers (they take --num-workers): tiny options, and how
 # many processes they need (pipelines: one per stage).
-TINY = "--fake-data --fake-size 64 --epochs 1 --batch-size 16 --num-workers 2"
+TINY = "--fake-data --fake-size 32 --epochs 1 --batch-size 16 --num-workers 2"
 WORKERS = {
     "checkpointing/lightning_checkpoint.py": (1, "--device cpu --checkpoint-dir ckpt"),
     "checkpointing/train_checkpoint.py": (1, "--device cpu --checkpoint-dir ckpt"),
