@@ -116,16 +116,69 @@ def example_env(**extra):
     return env
 
 
+class _Zygote:
+    """tests/zygote.py, started once per test process, on first use: runs a script that must
+    refuse its input in a child forked from a process that imported torch already."""
+
+    def __init__(self):
+        self.base = example_env()
+        self.proc = subprocess.Popen(
+            [sys.executable, TESTS / "zygote.py"], env=self.base, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        atexit.register(self.proc.kill)
+        sys.path.insert(0, str(TESTS))
+        from zygote import differs_only_in_launcher_variables  # noqa: PLC0415
+
+        self.takes = lambda env: differs_only_in_launcher_variables(env, self.base)
+
+    def run(self, argv, cwd, env, timeout):
+        # What the audit hook of tests/records.py sees for a process: the command line.
+        sys.audit("subprocess.Popen", sys.executable, [sys.executable, *argv], cwd, env)
+        with tempfile.TemporaryDirectory() as folder:
+            out, err = Path(folder, "stdout"), Path(folder, "stderr")
+            request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": str(out),
+                       "stderr": str(err), "timeout": timeout}  # fmt: skip
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"tests/zygote.py ended (exit code {self.proc.poll()})")
+            reply = json.loads(line)
+            stdout, stderr = (path.read_text(errors="replace") for path in (out, err))
+        if reply.get("timeout"):
+            raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, stdout, stderr)
+        return subprocess.CompletedProcess([sys.executable, *argv], reply["returncode"],
+                                           stdout, stderr)  # fmt: skip
+
+
+_zygote = None
+
+
+def _forked_run(cmd, cwd, env, timeout, expect_rc):
+    """The run through tests/zygote.py, or None where it must be a process of its own: see
+    zygote.py for which runs qualify."""
+    global _zygote
+    if expect_rc in (0, None) or os.environ.get("TESTS_NO_ZYGOTE"):
+        return None
+    if len(cmd) < 2 or cmd[0] != sys.executable or not cmd[1].endswith(".py"):
+        return None
+    if not Path(cwd, cmd[1]).is_file():
+        return None
+    if _zygote is None:
+        _zygote = _Zygote()
+    if not _zygote.takes(env):
+        return None
+    return _zygote.run(cmd[1:], cwd, env, timeout)
+
+
 def run(cmd, *, cwd, env=None, timeout=120, expect_rc=0):
-    """Run a command, and fail with its whole output when the exit code is not expect_rc."""
-    proc = subprocess.run(
-        [str(part) for part in cmd],
-        cwd=cwd,
-        env=env or example_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
+    """Run a command, and fail with its whole output when the exit code is not expect_rc.
+    `python SCRIPT.py ...` expected to fail runs in a child of tests/zygote.py where it can."""
+    cmd = [str(part) for part in cmd]
+    env = env or example_env()
+    proc = _forked_run(cmd, cwd, env, timeout, expect_rc) or subprocess.run(
+        cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
     if expect_rc is not None and proc.returncode != expect_rc:
         pytest.fail(
