@@ -29,6 +29,7 @@ from records import (  # noqa: F401 (hooks: pytest finds them by name in this mo
     pytest_runtest_setup,
     pytest_runtest_teardown,
 )
+from zygote import differs_only_in_launcher_variables
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -126,11 +127,16 @@ class _Zygote:
             [sys.executable, TESTS / "zygote.py"], env=self.base, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
-        atexit.register(self.proc.kill)
-        sys.path.insert(0, str(TESTS))
-        from zygote import differs_only_in_launcher_variables  # noqa: PLC0415
+        atexit.register(self.stop)
 
-        self.takes = lambda env: differs_only_in_launcher_variables(env, self.base)
+    def stop(self):
+        self.proc.kill()
+        self.proc.wait()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+
+    def takes(self, env):
+        return differs_only_in_launcher_variables(env, self.base)
 
     def run(self, argv, cwd, env, timeout):
         # What the audit hook of tests/records.py sees for a process: the command line.

@@ -1,12 +1,13 @@
 """tests/zygote.py ends a run as its own process would: the same exit code and the same output,
 for what conftest.run() sends it (a script expected to fail), and it takes no other run."""
 
+import os
 import subprocess
 import sys
 
 import pytest
 
-from conftest import EXAMPLES, example_env, run
+from conftest import example_env, run
 
 SCRIPTS = {
     "exits with a message": "import sys\nprint('before')\nsys.exit('prog: error: no data')\n",
@@ -41,11 +42,9 @@ def test_only_failing_runs_in_the_tests_environment_are_forked(tmp_path, monkeyp
     """What is not forked: an expected success, an environment that torch reads on import, an
     interpreter option. The script prints its process id's parent: the test process, when it
     ran as its own process."""
-    import conftest  # noqa: PLC0415
-
     script = tmp_path / "parent.py"
     script.write_text("import os, sys\nprint(os.getppid())\nsys.exit(int(sys.argv[1]))\n")
-    own = str(__import__("os").getpid())
+    own = str(os.getpid())
 
     def parent(*args, env=None, rc=1):
         cmd = [sys.executable, *args, script, str(rc)]
@@ -57,11 +56,3 @@ def test_only_failing_runs_in_the_tests_environment_are_forked(tmp_path, monkeyp
     assert parent("-X", "utf8") == own
     monkeypatch.setenv("TESTS_NO_ZYGOTE", "1")
     assert parent() == own
-    assert conftest._zygote is not None
-
-
-def test_the_tests_of_bad_input_use_it():
-    """The runs it is for: a refusing example, as tests of the examples' messages run it."""
-    proc = run([sys.executable, EXAMPLES / "ddp" / "ddp.py", "--fake-data"], cwd=EXAMPLES,
-               expect_rc=2)  # fmt: skip
-    assert proc.stderr.startswith("ddp.py: error: ") and proc.stderr.count("\n") == 1
