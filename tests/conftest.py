@@ -12,6 +12,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import tomllib
 import types
@@ -29,7 +30,7 @@ from records import (  # noqa: F401 (hooks: pytest finds them by name in this mo
     pytest_runtest_setup,
     pytest_runtest_teardown,
 )
-from zygote import differs_only_in_launcher_variables
+from zygote import takes as zygote_takes
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -113,79 +114,125 @@ def example_env(**extra):
     env["PYTHONUNBUFFERED"] = "1"
     # torchvision's CUDA-only build imports on a CPU torch with this shim (tests/shim).
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SHIM), env.get("PYTHONPATH")]))
+    env.update(COMPILER_CACHE)
     env.update({key: str(value) for key, value in extra.items()})
     return env
 
 
+def _compiler_cache():
+    """The variables that make CMake compile through ccache, with the cache beside the tests'
+    other builds: the LibTorch example, built by the tests, build.sh, a console block and the
+    Slurm and Grid Engine jobs, is compiled once per run, and a later run on this machine
+    compiles it only when a source, flag or header changed. Paths count relative to the build
+    folder, so that folders of different tests share entries. Empty without ccache."""
+    if shutil.which("ccache") is None:
+        return {}
+    return {"CMAKE_CXX_COMPILER_LAUNCHER": "ccache", "CCACHE_DIR": str(CACHE / "ccache"),
+            "CCACHE_BASEDIR": "/", "CCACHE_NOHASHDIR": "1", "CCACHE_MAXSIZE": "2G"}  # fmt: skip
+
+
 class _Zygote:
-    """tests/zygote.py, started once per test process, on first use: runs a script that must
-    refuse its input in a child forked from a process that imported torch already."""
+    """tests/zygote.py, started once per test process, on first use: runs example scripts in
+    children forked from a process that imported torch already, one or several at a time."""
 
     def __init__(self):
         self.base = example_env()
-        self.proc = subprocess.Popen(
-            [sys.executable, TESTS / "zygote.py"], env=self.base, stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        atexit.register(self.stop)
+        self.proc = None  # started with the first run
+        self.runs = 0
+        self.folder = None
+        self.lock = threading.Lock()  # tests may run examples from several threads at once
+        self.replies = {}  # id: reply, read by one thread for another
 
     def stop(self):
         self.proc.kill()
         self.proc.wait()
         self.proc.stdin.close()
         self.proc.stdout.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
-    def takes(self, env):
-        return differs_only_in_launcher_variables(env, self.base)
+    def takes(self, cmd, cwd, env):
+        """Whether `cmd` can run forked: see tests/zygote.py."""
+        if os.environ.get("TESTS_NO_ZYGOTE"):
+            return False
+        if len(cmd) < 2 or cmd[0] != sys.executable or not cmd[1].endswith(".py"):
+            return False
+        return Path(cwd, cmd[1]).is_file() and zygote_takes(env, self.base)
 
-    def run(self, argv, cwd, env, timeout):
+    def start(self, cmd, cwd, env, timeout):
+        """Start cmd (python SCRIPT ...) in a forked child; wait() gives its result."""
         # What the audit hook of tests/records.py sees for a process: the command line.
-        sys.audit("subprocess.Popen", sys.executable, [sys.executable, *argv], cwd, env)
-        with tempfile.TemporaryDirectory() as folder:
-            out, err = Path(folder, "stdout"), Path(folder, "stderr")
-            request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": str(out),
-                       "stderr": str(err), "timeout": timeout}  # fmt: skip
+        sys.audit("subprocess.Popen", cmd[0], cmd, cwd, env)
+        with self.lock:
+            if self.proc is None:
+                self.proc = subprocess.Popen(
+                    [sys.executable, TESTS / "zygote.py"], env=self.base, stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, text=True,
+                )  # fmt: skip
+                self.folder = Path(tempfile.mkdtemp(prefix="pytorch-on-hpc-zygote-"))
+                atexit.register(self.stop)
+            self.runs += 1
+            run_id = self.runs
+            out, err = (self.folder / f"{run_id}.{name}" for name in ("stdout", "stderr"))
+            request = {"id": run_id, "argv": cmd[1:], "cwd": str(cwd), "env": env,
+                       "stdout": str(out), "stderr": str(err), "timeout": timeout}  # fmt: skip
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"tests/zygote.py ended (exit code {self.proc.poll()})")
-            reply = json.loads(line)
+        return run_id, cmd, timeout
+
+    def wait(self, started):
+        """The CompletedProcess of each run started, in order, once all have ended; raises
+        TimeoutExpired when one was killed at its deadline."""
+        replies = {}
+        while len(replies) < len(started):
+            with self.lock:  # whoever holds it reads the next reply, for whichever run it is
+                for run_id, _cmd, _timeout in started:
+                    if run_id in self.replies:
+                        replies[run_id] = self.replies.pop(run_id)
+                if len(replies) == len(started):
+                    break
+                line = self.proc.stdout.readline()
+                if not line:
+                    raise RuntimeError(f"tests/zygote.py ended (exit code {self.proc.poll()})")
+                reply = json.loads(line)
+                self.replies[reply["id"]] = reply
+        results, late = [], None
+        for run_id, cmd, timeout in started:
+            out, err = (self.folder / f"{run_id}.{name}" for name in ("stdout", "stderr"))
             stdout, stderr = (path.read_text(errors="replace") for path in (out, err))
-        if reply.get("timeout"):
-            raise subprocess.TimeoutExpired([sys.executable, *argv], timeout, stdout, stderr)
-        return subprocess.CompletedProcess([sys.executable, *argv], reply["returncode"],
-                                           stdout, stderr)  # fmt: skip
+            out.unlink()
+            err.unlink()
+            if replies[run_id].get("timeout"):
+                late = late or subprocess.TimeoutExpired(cmd, timeout, stdout, stderr)
+            results.append(subprocess.CompletedProcess(cmd, replies[run_id].get("returncode"),
+                                                       stdout, stderr))  # fmt: skip
+        if late:
+            raise late
+        return results
 
 
 _zygote = None
 
 
-def _forked_run(cmd, cwd, env, timeout, expect_rc):
-    """The run through tests/zygote.py, or None where it must be a process of its own: see
-    zygote.py for which runs qualify."""
+def zygote():
+    """This test process's tests/zygote.py, started on first use."""
     global _zygote
-    if expect_rc in (0, None) or os.environ.get("TESTS_NO_ZYGOTE"):
-        return None
-    if len(cmd) < 2 or cmd[0] != sys.executable or not cmd[1].endswith(".py"):
-        return None
-    if not Path(cwd, cmd[1]).is_file():
-        return None
     if _zygote is None:
         _zygote = _Zygote()
-    if not _zygote.takes(env):
-        return None
-    return _zygote.run(cmd[1:], cwd, env, timeout)
+    return _zygote
 
 
 def run(cmd, *, cwd, env=None, timeout=120, expect_rc=0):
     """Run a command, and fail with its whole output when the exit code is not expect_rc.
-    `python SCRIPT.py ...` expected to fail runs in a child of tests/zygote.py where it can."""
+    `python SCRIPT.py ...` runs in a child of tests/zygote.py where it can (expect_rc=None:
+    always a process of its own)."""
     cmd = [str(part) for part in cmd]
     env = env or example_env()
-    proc = _forked_run(cmd, cwd, env, timeout, expect_rc) or subprocess.run(
-        cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
-    )
+    if expect_rc is not None and zygote().takes(cmd, cwd, env):
+        proc = zygote().wait([zygote().start(cmd, cwd, env, timeout)])[0]
+    else:
+        proc = subprocess.run(
+            cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+        )
     if expect_rc is not None and proc.returncode != expect_rc:
         pytest.fail(
             f"{' '.join(map(str, cmd))} exited {proc.returncode}, expected {expect_rc}\n"
@@ -470,19 +517,25 @@ def launch(cmd, *, cwd, world=2, launcher="srun", env=example_env, timeout=120, 
     variables. Returns [(exit code, stdout, stderr)] of every rank once all have ended; after
     a timeout no process is left behind."""
     port = free_port()
+    cmd = [str(part) for part in cmd]
+    envs = []
+    for rank in range(world):
+        if launcher == "srun":
+            ids = {"SLURM_PROCID": rank, "SLURM_NTASKS": world, "SLURM_LOCALID": rank}
+        else:
+            ids = {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": rank,
+                   "LOCAL_WORLD_SIZE": world}  # fmt: skip
+        variables = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": 1,
+                     **ids, **extra}  # fmt: skip
+        envs.append(env(**variables))
+    if all(zygote().takes(cmd, cwd, one) for one in envs):  # the ranks forked, side by side
+        started = [zygote().start(cmd, cwd, one, timeout) for one in envs]
+        return [(proc.returncode, proc.stdout, proc.stderr) for proc in zygote().wait(started)]
     procs, outputs = [], []
     try:
-        for rank in range(world):
-            if launcher == "srun":
-                ids = {"SLURM_PROCID": rank, "SLURM_NTASKS": world, "SLURM_LOCALID": rank}
-            else:
-                ids = {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": rank,
-                       "LOCAL_WORLD_SIZE": world}  # fmt: skip
-            variables = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": 1,
-                         **ids, **extra}  # fmt: skip
+        for one in envs:
             procs.append(subprocess.Popen(
-                [str(part) for part in cmd], cwd=cwd, env=env(**variables),
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                cmd, cwd=cwd, env=one, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             ))  # fmt: skip
         outputs = [proc.communicate(timeout=timeout) for proc in procs]
     finally:
@@ -551,6 +604,7 @@ CACHE = Path(
     or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pytorch-on-hpc"
 )
 CACHE_HINT = f" (if a cached build is broken: make clean-cache, or rm -r {CACHE})"
+COMPILER_CACHE = _compiler_cache()
 
 
 def _version(package):

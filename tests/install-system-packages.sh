@@ -2,7 +2,8 @@
 # Install the system tools the tests use (Debian/Ubuntu, as root): gettext (msgfmt),
 # ShellCheck, Lmod (environment modules for the job scripts) and the site file that defines
 # `module` in batch jobs (/etc/profile.d/modules.sh), Node.js (search index and workflow
-# linting, the browser tests' driver), g++ and cmake (Horovod, LibTorch, DeepSpeed's ops), libaio
+# linting, the browser tests' driver), g++ and cmake (Horovod, LibTorch, DeepSpeed's ops), ccache
+# (the tests compile the LibTorch example once per run, not in every test that builds it), libaio
 # (DeepSpeed's NVMe offload), Chromium (the browser tests, tests/node/browser.mjs), the fonts
 # the browser tests render with (Liberation Sans, metric-compatible with the Arial/Helvetica of
 # Furo's font stack; Noto Sans CJK for Chinese and Japanese; DejaVu Sans, the wide font of the
@@ -21,6 +22,7 @@ command -v node >/dev/null || need+=(nodejs)
 command -v npm >/dev/null || need+=(npm)
 command -v g++ >/dev/null || need+=(g++)
 command -v cmake >/dev/null || need+=(cmake)
+command -v ccache >/dev/null || need+=(ccache)
 [[ -f /usr/include/libaio.h ]] || need+=(libaio-dev)
 command -v chromium >/dev/null || need+=(chromium)
 command -v fc-match >/dev/null || need+=(fontconfig)

@@ -15,6 +15,7 @@ import torch
 from recorded import ADDRESSES, check_recorded, transcript
 
 from conftest import (
+    COMPILER_CACHE,
     EXAMPLES,
     HAS_CUDA,
     copy_example,
@@ -175,10 +176,13 @@ def test_an_uncaught_c10_error_aborts_with_a_backtrace(tmp_path):
         "}\n"
     )
     include = TORCH_LIB.parent / "include"
-    run(["g++", "-std=c++20", "-isystem", include, "-isystem",
-         include / "torch" / "csrc" / "api" / "include", source, "-o", "uncaught",
-         f"-Wl,-rpath,{TORCH_LIB}", TORCH_LIB / "libtorch_cpu.so", TORCH_LIB / "libc10.so"],
+    # Compiled and linked in two steps: the compile step through ccache where the tests use it.
+    launcher = [COMPILER_CACHE["CMAKE_CXX_COMPILER_LAUNCHER"]] if COMPILER_CACHE else []
+    run([*launcher, "g++", "-std=c++20", "-isystem", include, "-isystem",
+         include / "torch" / "csrc" / "api" / "include", "-c", source, "-o", "uncaught.o"],
         cwd=tmp_path, timeout=300)  # fmt: skip
+    run(["g++", "uncaught.o", "-o", "uncaught", f"-Wl,-rpath,{TORCH_LIB}",
+         TORCH_LIB / "libtorch_cpu.so", TORCH_LIB / "libc10.so"], cwd=tmp_path)  # fmt: skip
     proc = run([tmp_path / "uncaught"], cwd=tmp_path, expect_rc=-6)  # SIGABRT
     assert proc.stderr.startswith(
         "terminate called after throwing an instance of 'c10::Error'\n"
