@@ -128,8 +128,8 @@ def _modules(key, keep_when_unset=True):
 
 
 def _init(ctx, m, comment, col):
-    lines = ctx.site.get("modules.init", [])
-    return site_lines(lines, lambda line: line, comment, col)
+    files = ctx.site.get("modules.init", [])
+    return site_lines(files, lambda path: f"source {path}", comment, col)
 
 
 def _assign(key, template, keep_when=None):

