@@ -1,13 +1,17 @@
 """The pages' sources: what they include, the Python blocks they show, the shell they ship."""
 
 import ast
+import atexit
+import functools
 import re
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from conftest import EXAMPLES, ROOT, SOURCE, TESTS, require_command
+from conftest import EXAMPLES, ROOT, SOURCE, TEST_SITES, TESTS, require_command
 
 PAGES = sorted(SOURCE.rglob("*.md"))
 # ```{literalinclude} path  followed by  :option: value  lines (indented inside a list item)
@@ -70,11 +74,33 @@ def test_include_points_at_an_existing_file_by_name_or_marker(page, target, opti
         assert options["pyobject"] in names, (
             f"{rel(page)}: no {options['pyobject']} in {rel(target)}"
         )
+    # A centre's edition rewrites lines of the job scripts (make html SITE=...): the markers
+    # must be in its version too, for the template's site file and the tests' ones.
+    versions = {"examples/": text}
+    if target.is_relative_to(EXAMPLES):
+        for site, folder in site_editions().items():
+            versions[site] = (folder / target.relative_to(EXAMPLES)).read_text(encoding="utf-8")
     for marker in ("start-after", "end-before"):
-        if marker in options:
-            assert options[marker] in text, (
-                f"{rel(page)}: marker {options[marker]!r} not in {rel(target)}"
-            )
+        for version, content in versions.items():
+            if marker in options:
+                assert options[marker] in content, (
+                    f"{rel(page)}: marker {options[marker]!r} not in {rel(target)} ({version})"
+                )
+
+
+@functools.cache
+def site_editions():
+    """{site file's name: its edition's examples/}, for the template and the tests' sites."""
+    from generate import generate  # noqa: PLC0415
+    from sitefile import load  # noqa: PLC0415
+
+    folders = {}
+    for site in [ROOT / "edition" / "template.toml", *TEST_SITES.values()]:
+        folder = Path(tempfile.mkdtemp(prefix="pytorch-on-hpc-markers-"))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        generate(load(site), folder)
+        folders[site.name] = folder / "examples"
+    return folders
 
 
 @pytest.mark.parametrize("example", EXAMPLE_FILES, ids=rel)
