@@ -203,6 +203,14 @@ def slurm_gpus(record):
     return int(per_job[1]) if per_job else 0
 
 
+def gridengine_gpus(site, record):
+    """The GPUs a Grid Engine job asked for: the count of the site's own GPU resource (-l
+    gpu=2, -l rt_G.small=1, ...) in the request that qacct shows (category)."""
+    resource = re.fullmatch(r"-l ([\w.]+)=\{n\}", site.get("scheduler.gpus"))[1]
+    found = re.search(rf"(?<![\w.]){re.escape(resource)}=(\d+)", record.get("category", ""))
+    return int(found[1]) if found else 0
+
+
 def judge(site, job, records):
     job.seconds = time.monotonic() - job.start
     job.log = read_logs(site, job, records)
@@ -220,10 +228,7 @@ def judge(site, job, records):
         states = sorted({f"exit_status {r.get('exit_status')}, failed {r.get('failed')}"
                          for r in records})  # fmt: skip
         nodes = sorted({r.get("hostname", "") for r in records} - {""})
-        gpus = 0
-        for r in records:
-            if m := re.search(r"gpu=(\d+)", r.get("category", "")):
-                gpus = max(gpus, int(m[1]))
+        gpus = max((gridengine_gpus(site, r) for r in records), default=0)
         job.info = {"state": "; ".join(states), "nodes": ",".join(nodes), "gpus": gpus}
     if job.settings.get("server"):
         ok = not missing  # cancelled by us once it served
