@@ -63,7 +63,7 @@ class Context:
     def __init__(self, site, text):
         self.site = site
         self.gpu_job = bool(
-            re.search(r"^##?SBATCH --gpus-per-node=\d+", text, re.M)
+            re.search(r"^#SBATCH --gpus-per-node=\d+", text, re.M)
             or re.search(r"^#\$ -l gpu=\d+", text, re.M)
         )
 
@@ -148,7 +148,10 @@ RULES = [
     # Slurm directives of the first block
     (r"##SBATCH --account=\S+", _account),
     (r"##SBATCH --partition=\S+", _partition),
-    (r"##?SBATCH --gpus-per-node=(?P<n>\d+)", _gpus),
+    (r"#SBATCH --gpus-per-node=(?P<n>\d+)", _gpus),
+    # An optional GPU (a CPU job that may use one): the edition keeps the job a CPU job. Asking
+    # for a GPU takes the GPU partition, cores and memory too, which the reader then sets.
+    (r"##SBATCH --gpus-per-node=(?P<n>\d+)", lambda *_: []),
     (
         r"##SBATCH --tmp=(?P<size>\S+)",
         _optional_directive("scheduler.local_disk", lambda v, m: f"#SBATCH --tmp={m['size']}"),

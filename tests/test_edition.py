@@ -137,6 +137,15 @@ def test_a_site_file_that_is_not_utf8_stops_with_one_line(tmp_path):
     )
 
 
+def test_an_optional_gpu_stays_off_in_the_edition(editions):
+    """preemptible.sbatch is a CPU job that may ask for a GPU (a commented line): its edition
+    asks for none, rather than for a GPU in the CPU partition with a CPU job's cores."""
+    generic = (EXAMPLES / "preemption" / "preemptible.sbatch").read_text()
+    assert "##SBATCH --gpus-per-node=1" in generic
+    text = (editions["template"][1] / "preemption" / "preemptible.sbatch").read_text()
+    assert "gpu" not in "".join(re.findall(r"^#SBATCH .*$", text, re.M)).lower(), text
+
+
 SLURM_SCRIPTS = [name for name in JOB_SCRIPTS if name.endswith(".sbatch")]
 # Still reads SLURM_TMPDIR itself (issue 27: its fallback folder is described on the page).
 NODE_LOCAL_PENDING = {"deepspeed/deepspeed.sbatch"}
@@ -250,7 +259,7 @@ def test_the_tests_cluster_edition_asks_for_gpus_its_way(editions):
     assert "#SBATCH --gres=gpu:2 " in text and "--gpus-per-node" not in text.split("set -euo")[0]
     assert "#SBATCH --partition=debug " in text and "#SBATCH --account=tests " in text
     preemptible = (folder / "preemption/preemptible.sbatch").read_text()
-    assert "#SBATCH --gres=gpu:1 " in preemptible  # the commented GPU line, switched on
+    assert "--gres" not in preemptible  # the commented GPU line stays off: a CPU job
     _site, folder, _changed = editions["gridengine"]
     qsub = (folder / "first-job/check_pytorch.qsub").read_text()
     directives = [line for line in qsub.splitlines() if line.startswith("#$ ")]
