@@ -62,6 +62,9 @@ class Context:
 
     def __init__(self, site, text):
         self.site = site
+        # GPUs per node, from the request in the header or in a site-specific block.
+        gpus = re.search(r"^#SBATCH --gpus-per-node=(\d+)", text, re.M)
+        self.gpus = int(gpus[1]) if gpus else 0
         self.gpu_job = bool(
             re.search(r"^#SBATCH --gpus-per-node=\d+", text, re.M)
             or re.search(r"^#\$ -l gpu=\d+", text, re.M)
@@ -265,10 +268,9 @@ def opening_marker(site):
 def header_lines(ctx, lines):
     """Outside the blocks: the GPU request; cores and memory per GPU where the site sets them."""
     text = "\n".join(lines)
-    gpus = re.search(r"^#SBATCH --gpus-per-node=(\d+)", text, re.M)
+    gpus = ctx.gpus
     if ctx.site.scheduler != "slurm" or not gpus:
         return lines
-    gpus = int(gpus[1])
     tasks = re.search(r"^#SBATCH --ntasks-per-node=(\d+)", text, re.M)
     single = re.search(r"^#SBATCH --nodes=1\b", text, re.M) and re.search(
         r"^#SBATCH --ntasks=(\d+)", text, re.M

@@ -251,6 +251,13 @@ def test_the_template_gives_gpu_jobs_their_cores_and_memory_per_gpu(editions):
         assert re.search(rf"^#SBATCH --mem={memory} +# site.toml: 64G per GPU$", text, re.M)
     cpu_job = (folder / "cpu-threads/cnn_cpu.sbatch").read_text()
     assert cpu_job.count("site.toml: 8 cores") == 0 and "--partition=cpu " in cpu_job
+    # Every GPU job, whether it asks for its GPUs in the header or in a site-specific block
+    # (libtorch.sbatch), gets the cores and memory per GPU where it names cores and memory.
+    for script in SLURM_SCRIPTS:
+        text = (folder / script).read_text()
+        if "# site.toml: scheduler.gpus" in text:
+            for line in re.findall(r"^#SBATCH --(?:cpus-per-task|mem)=.*$", text, re.M):
+                assert "per GPU" in line, f"{script}: {line}"
 
 
 def test_the_tests_cluster_edition_asks_for_gpus_its_way(editions):
