@@ -87,10 +87,13 @@ def site_lines(values, make, comment, column):
 # Each rule: (pattern of a block line, function(context, match, comment, column) -> lines).
 # A function returns the centre's lines; None keeps the line as it is.
 def _account(ctx, m, comment, col):
-    account = ctx.site.get("scheduler.account")
-    if not account:
-        return []
-    return [with_comment(f"#SBATCH --account={account}", "# site.toml: scheduler.account", col)]
+    """The account, and the QoS where the site makes every job name one."""
+    lines = []
+    for key, option in (("account", "--account"), ("qos", "--qos")):
+        if value := ctx.site.get(f"scheduler.{key}"):
+            lines.append(with_comment(f"#SBATCH {option}={value}", f"# site.toml: scheduler.{key}",
+                                      col))  # fmt: skip
+    return lines
 
 
 def _partition(ctx, m, comment, col):

@@ -92,6 +92,13 @@ SCHEMA = {
             re.compile(r"[\w.@-]*"),
             "an account name",
         ),
+        "qos": Key(
+            str,
+            False,
+            "Slurm: the quality of service every job must name (--qos)",
+            re.compile(r"[\w.-]+"),
+            "a QoS name",
+        ),
         "gpus": Key(str, True, "how a job asks for {n} GPUs per node"),
         "gpu_constraint": Key(
             str,
@@ -311,6 +318,8 @@ def check_gpus(site):
         raise SiteFileError(
             f"{where}: {form!r} is not a known form for {site.scheduler} (known: {known})"
         )
+    if site.scheduler != "slurm" and "qos" in site.data["scheduler"]:
+        raise SiteFileError(f"{site.path}: scheduler.qos is for Slurm sites only")
     if site.scheduler == "gridengine" and "parallel_environment" not in site.data["scheduler"]:
         raise SiteFileError(
             f"{site.path}: scheduler.parallel_environment is missing (Grid Engine needs it)"

@@ -137,6 +137,17 @@ def test_a_site_file_that_is_not_utf8_stops_with_one_line(tmp_path):
     )
 
 
+def test_a_qos_goes_into_every_slurm_job(tmp_path):
+    """A centre where every job must name its QoS (refused otherwise): every Slurm script of
+    its edition asks for it, beside the account; a Grid Engine site cannot set one."""
+    generate(load(minimal(tmp_path, **{"scheduler.qos": "normal"})), tmp_path)
+    for name in SLURM_SCRIPTS:
+        text = (tmp_path / "examples" / name).read_text()
+        assert re.search(r"^#SBATCH --qos=normal +# site.toml: scheduler.qos$", text, re.M), name
+    with pytest.raises(SiteFileError, match="scheduler.qos is for Slurm sites only"):
+        load(minimal(tmp_path, "gridengine", **{"scheduler.qos": "normal"}))
+
+
 def test_an_optional_gpu_stays_off_in_the_edition(editions):
     """preemptible.sbatch is a CPU job that may ask for a GPU (a commented line): its edition
     asks for none, rather than for a GPU in the CPU partition with a CPU job's cores."""
