@@ -150,6 +150,13 @@ def _assign(key, template, keep_when=None):
     return rule
 
 
+def _bind(ctx, m, comment, col):
+    """The folders a container binds: the site's project, scratch and datasets."""
+    keys = ("storage.project", "storage.scratch", "storage.data")
+    folders = ",".join(value for key in keys if (value := ctx.site.get(key)))
+    return [with_comment(f"BIND=${{BIND-{folders}}}", comment, col)]
+
+
 RULES = [
     # Slurm directives of the first block
     (r"##SBATCH --account=\S+", _account),
@@ -224,9 +231,9 @@ RULES = [
         r"LOGIN_HOST=\$\{LOGIN_HOST:-[^}]+\}",
         _assign("centre.login_host", "LOGIN_HOST=${{LOGIN_HOST:-{value}}}"),
     ),
-    # kept as they are: the image a reader builds, the folders Apptainer binds
+    # kept as they are: the image a reader builds
     (r"IMAGE=\$\{IMAGE:-[^}]+\}", lambda *_: None),
-    (r"BIND=\$\{BIND-[^}]*\}", lambda *_: None),
+    (r"BIND=\$\{BIND-[^}]*\}", _bind),
     (
         r"export APPTAINER_CACHEDIR=\$\{APPTAINER_CACHEDIR:-\$APPTAINER_TMPDIR/cache\}",
         lambda *_: None,

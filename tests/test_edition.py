@@ -148,6 +148,15 @@ def test_a_qos_goes_into_every_slurm_job(tmp_path):
         load(minimal(tmp_path, "gridengine", **{"scheduler.qos": "normal"}))
 
 
+def test_containers_bind_the_sites_folders(editions):
+    """Apptainer binds the centre's project, scratch and datasets folders, not the generic
+    /project and /scratch."""
+    text = (editions["template"][1] / "containers" / "apptainer.sbatch").read_text()
+    assert re.search(r"^BIND=\$\{BIND-/project/\$USER,\$SCRATCH,/datasets\} ", text, re.M), text
+    minimal_text = (editions["minimal"][1] / "containers" / "apptainer.sbatch").read_text()
+    assert re.search(r"^BIND=\$\{BIND-\$PROJECT,\$SCRATCH\} ", minimal_text, re.M)
+
+
 def test_an_optional_gpu_stays_off_in_the_edition(editions):
     """preemptible.sbatch is a CPU job that may ask for a GPU (a commented line): its edition
     asks for none, rather than for a GPU in the CPU partition with a CPU job's cores."""
