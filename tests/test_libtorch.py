@@ -341,7 +341,8 @@ def test_show_build_info_without_the_binary_says_to_build_it(tmp_path):
 def test_the_job_script_builds_in_a_per_job_folder():
     """libtorch.sbatch: scratch per job, cleaned up; the thread count from the allocation."""
     text = (EXAMPLES / "libtorch" / "libtorch.sbatch").read_text()
-    assert "WORK=${SLURM_TMPDIR:-/tmp}/libtorch-$SLURM_JOB_ID" in text
+    assert "LOCAL=${SLURM_TMPDIR:-${TMPDIR:-/tmp}}" in text  # in the site-specific block
+    assert "WORK=$LOCAL/libtorch-$SLURM_JOB_ID" in text
     assert "trap 'rm -rf \"$WORK\"' EXIT" in text
     assert "export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK" in text
     assert '"$WORK/build/example" "$@"' in text
