@@ -65,10 +65,7 @@ class Context:
         # GPUs per node, from the request in the header or in a site-specific block.
         gpus = re.search(r"^#SBATCH --gpus-per-node=(\d+)", text, re.M)
         self.gpus = int(gpus[1]) if gpus else 0
-        self.gpu_job = bool(
-            re.search(r"^#SBATCH --gpus-per-node=\d+", text, re.M)
-            or re.search(r"^#\$ -l gpu=\d+", text, re.M)
-        )
+        self.gpu_job = bool(self.gpus or re.search(r"^#\$ -l gpu=\d+", text, re.M))
 
     @property
     def partition(self):

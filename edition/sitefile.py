@@ -294,17 +294,17 @@ def check_value(where, value, spec):
         raise SiteFileError(f"{where} must be {kind[list]} (got {value!r})")
     if spec.kind in (str, bool) and not isinstance(value, spec.kind):
         raise SiteFileError(f"{where} must be {kind[spec.kind]} (got {value!r})")
-    for item in value if isinstance(value, list) else []:
-        if not item.strip():
+    texts = value if isinstance(value, list) else [value] if isinstance(value, str) else []
+    for item in texts:
+        if isinstance(value, list) and not item.strip():
             raise SiteFileError(f"{where} has an empty item")
-    for item in value if isinstance(value, list) else [value] if isinstance(value, str) else []:
         if bad := CONTROL.search(item):
             raise SiteFileError(
                 f"{where} must be one line without control characters "
                 f"(found {bad[0]!r} in {item!r})"
             )
     if spec.form is not None:
-        for item in value if isinstance(value, list) else [value]:
+        for item in texts:
             if not spec.form.fullmatch(item):
                 raise SiteFileError(f"{where} must be {spec.form_help} (got {item!r})")
 

@@ -140,7 +140,11 @@ class _Zygote:
         self.proc = None  # started with the first run
         self.runs = 0
         self.folder = None
-        self.lock = threading.Lock()  # tests may run examples from several threads at once
+        # Tests may run examples from several threads at once: one lock for starting runs,
+        # another for reading replies, so that a thread waiting for its run never keeps another
+        # thread from starting the run that the first may need (two ends of one connection).
+        self.lock = threading.Lock()
+        self.reading = threading.Lock()
         self.replies = {}  # id: reply, read by one thread for another
 
     def stop(self):
@@ -184,7 +188,7 @@ class _Zygote:
         TimeoutExpired when one was killed at its deadline."""
         replies = {}
         while len(replies) < len(started):
-            with self.lock:  # whoever holds it reads the next reply, for whichever run it is
+            with self.reading:  # whoever holds it reads the next reply, for whichever run
                 for run_id, _cmd, _timeout in started:
                     if run_id in self.replies:
                         replies[run_id] = self.replies.pop(run_id)

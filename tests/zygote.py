@@ -10,8 +10,8 @@ what the script does, not how a process starts:
   test names the exit code it expects;
 - the environment is the one this process started with (example_env()), apart from the
   variables a launcher or a scheduler sets (SLURM_*, RANK, MASTER_PORT, ...), which torch does
-  not read when it is imported. A run with other threads (OMP_NUM_THREADS), another start
-  method or another PYTHONPATH differs in more, and runs as its own process.
+  not read when it is imported, and a whole OMP_NUM_THREADS (see Threads below). A run with
+  another start method or another PYTHONPATH differs in more, and runs as its own process.
 
 Anything else runs as its own process: a launcher (torchrun, srun, mpirun, a job script) and
 every process it starts, and the tests of how a script starts. The child of each run starts
