@@ -67,6 +67,12 @@ class Context:
         self.gpus = int(gpus[1]) if gpus else 0
         self.gpu_job = bool(self.gpus or re.search(r"^#\$ -l gpu=\d+", text, re.M))
 
+    def directives(self):
+        """(key, directive) of the site's directives for every job and for this job's kind."""
+        kind = "gpu_directives" if self.gpu_job else "cpu_directives"
+        return [(key, item) for key in ("directives", kind)
+                for item in self.site.get(f"scheduler.{key}", [])]  # fmt: skip
+
     @property
     def partition(self):
         key = "gpu_partition" if self.gpu_job else "cpu_partition"
@@ -84,12 +90,15 @@ def site_lines(values, make, comment, column):
 # Each rule: (pattern of a block line, function(context, match, comment, column) -> lines).
 # A function returns the centre's lines; None keeps the line as it is.
 def _account(ctx, m, comment, col):
-    """The account, and the QoS where the site makes every job name one."""
+    """The account, the QoS where the site makes every job name one, and the site's own
+    directives for every job and for this kind of job."""
     lines = []
     for key, option in (("account", "--account"), ("qos", "--qos")):
         if value := ctx.site.get(f"scheduler.{key}"):
             lines.append(with_comment(f"#SBATCH {option}={value}", f"# site.toml: scheduler.{key}",
                                       col))  # fmt: skip
+    for key, directive in ctx.directives():
+        lines.append(with_comment(f"#SBATCH {directive}", f"# site.toml: scheduler.{key}", col))
     return lines
 
 
@@ -102,6 +111,9 @@ def _partition(ctx, m, comment, col):
 
 def _gpus(ctx, m, comment, col):
     if ctx.site.scheduler == "gridengine":  # Grid Engine reads a comment as more options
+        whole = ctx.site.get("scheduler.node_resource")
+        if whole and int(m["n"]) == ctx.site.get("scheduler.gpus_per_node"):
+            return [f"#$ {whole.replace('{nodes}', '1')}"]  # every GPU of one node
         return [f"#$ {ctx.site.gpu_request(m['n'])}"]
     return [
         with_comment(f"#SBATCH {ctx.site.gpu_request(m['n'])}", "# site.toml: scheduler.gpus", col)
@@ -116,8 +128,18 @@ def _optional_directive(key, make):
     return rule
 
 
+REPLACES_COMMENT = object()  # first of a rule's lines: they replace the comment above the line
+
+
 def _pe(ctx, m, comment, col):
-    return [f"#$ -pe {ctx.site.get('scheduler.parallel_environment')} {m['n']}"]
+    """Slots in the site's parallel environment; where a site has none, its resource types
+    name the cores: a GPU job's come with its GPUs, a CPU job asks for the CPU resource."""
+    if pe := ctx.site.get("scheduler.parallel_environment"):
+        return [f"#$ -pe {pe} {m['n']}"]
+    cpu = ctx.site.get("scheduler.cpu_resource")
+    if cpu and not ctx.gpu_job:  # in place of the comment on slots
+        return [REPLACES_COMMENT, "# The site's resource for a CPU job:", f"#$ {cpu}"]
+    return []
 
 
 def _modules(key, keep_when_unset=True):
@@ -145,6 +167,15 @@ def _assign(key, template, keep_when=None):
         return [with_comment(template.format(value=value, **m.groupdict()), comment, col)]
 
     return rule
+
+
+def _cuda(ctx, m, comment, col):
+    """The CUDA toolkit's module; CUDA_MODULE="" where a site has none (nvcc from the venv)."""
+    value = ctx.site.get("modules.cuda")
+    if value is None:
+        return None
+    return [with_comment(f'CUDA_MODULE="{value}"' if value == "" else f"CUDA_MODULE={value}",
+                         comment, col)]  # fmt: skip
 
 
 def _bind(ctx, m, comment, col):
@@ -179,7 +210,7 @@ RULES = [
     (r"module load gcc/\S+", _modules("modules.compiler")),
     (r"module load miniconda3\S*", _modules("modules.conda")),
     (r"module load apptainer/\S+", _modules("modules.apptainer")),
-    (r"CUDA_MODULE=\S+", _assign("modules.cuda", "CUDA_MODULE={value}")),
+    (r"CUDA_MODULE=\S+", _cuda),
     # the environment
     (r"VENV=\$\{VENV:-[^}]+\}", _assign("environment.venv", "VENV=${{VENV:-{value}}}")),
     (
@@ -250,6 +281,13 @@ def fill_block(ctx, name, lineno, lines):
             match = pattern.fullmatch(code)
             if match:
                 lines_for_site = rule(ctx, match, comment, column)
+                replaces = bool(lines_for_site) and lines_for_site[0] is REPLACES_COMMENT
+                if replaces:
+                    lines_for_site = lines_for_site[1:]
+                previous = out[-1] if out and offset else None
+                if (lines_for_site == [] or replaces) and previous == lines[offset - 1]:
+                    if out[-1].startswith("# "):  # the comment that explained the line
+                        out.pop()
                 out.extend([line] if lines_for_site is None else lines_for_site)
                 break
         else:
@@ -258,11 +296,14 @@ def fill_block(ctx, name, lineno, lines):
                 f"edition/generate.py has no rule for: {line.strip()}"
             )
     if ctx.site.scheduler == "gridengine" and any(line.startswith("#$ ") for line in lines):
-        last = max(i for i, line in enumerate(out) if line.startswith("#$ "))
+        last = max((i for i, line in enumerate(out) if line.startswith("#$ ")),
+                   default=len(out) - 1)  # fmt: skip
         partition, _key = ctx.partition
         extra = [f"#$ -q {partition}"] if partition else []
-        account = ctx.site.get("scheduler.account")
-        extra += [f"#$ -P {account}"] if account else []
+        for key, option in (("account", "-P"), ("group", "-g")):
+            if value := ctx.site.get(f"scheduler.{key}"):
+                extra.append(f"#$ {option} {value}")
+        extra += [f"#$ {directive}" for _key, directive in ctx.directives()]
         out[last + 1 : last + 1] = extra
     return out
 
@@ -340,16 +381,30 @@ def generate_text(site, name, text):
     return result
 
 
+# The files of the conda route: an edition leaves them out where the centre does not allow conda
+# (environment.conda = false), and its pages leave out the sections that show them.
+CONDA_FILES = ("install/environment.yml", "install/make_conda_env.sh",
+               "install/check_pytorch_conda.sbatch")  # fmt: skip
+
+
+def omitted(site):
+    """The files of examples/ that the centre's edition leaves out."""
+    return set(CONDA_FILES) if site.get("environment.conda") is False else set()
+
+
 def generate(site, output):
     """Write the edition's examples/ into output/examples; return the files that changed."""
     target = Path(output) / "examples"
     if target.exists():
         shutil.rmtree(target)
     changed = []
+    left_out = omitted(site)
     for path in sorted(EXAMPLES.rglob("*")):
         if not path.is_file() or "__pycache__" in path.parts:
             continue
         name = path.relative_to(EXAMPLES).as_posix()
+        if name in left_out:
+            continue
         dest = target / name
         dest.parent.mkdir(parents=True, exist_ok=True)
         # Bytes and mode, not shutil.copy: the tests count a copied example as one they ran.

@@ -31,7 +31,7 @@ import tomllib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from generate import EXAMPLES, GenerateError, generate  # noqa: E402
+from generate import EXAMPLES, GenerateError, generate, omitted  # noqa: E402
 from sitefile import SiteFileError, load  # noqa: E402
 
 CHECKS = Path(__file__).resolve().parent / "checks.toml"
@@ -350,6 +350,7 @@ def main(argv=None):
     try:
         site = load(args.site)
         checks = load_checks(site.scheduler, args.only)
+        checks = {name: s for name, s in checks.items() if name not in omitted(site)}
     except (SiteFileError, CheckError) as error:
         sys.exit(f"site_check.py: error: {error}")
     tool = "sbatch" if site.scheduler == "slurm" else "qsub"

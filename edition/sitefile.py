@@ -36,6 +36,14 @@ CENTRE_NAME = re.compile(r"[\w.,&'()/+:-]+(?: [\w.,&'()/+:-]+)*")
 # other control characters.
 CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 SIZE = re.compile(r"\d+[KMGT]")
+# Directives a site adds to its jobs, without the #SBATCH or #$ in front: one option with at most
+# one argument, nothing a shell or the scheduler's own comment syntax would read.
+DIRECTIVES = {
+    "slurm": (re.compile(r"--[a-z][a-z-]*(?:=[\w.,:@%&|/+-]+)?"),
+              "long options such as --constraint=gpu or --qos=normal"),
+    "gridengine": (re.compile(r"-[A-Za-z]+(?: [\w.,:=@%/+-]+)?"),
+                   "options such as -l rt_F=1 or -g mygroup"),
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -81,8 +89,8 @@ SCHEMA = {
         "gpu_partition": Key(
             str,
             True,
-            "partition or queue of GPU jobs",
-            re.compile(r"[\w.@,-]+"),
+            'partition or queue of GPU jobs; "" for the default',
+            re.compile(r"[\w.@,-]*"),
             "a partition name",
         ),
         "account": Key(
@@ -100,6 +108,27 @@ SCHEMA = {
             "a QoS name",
         ),
         "gpus": Key(str, True, "how a job asks for {n} GPUs per node"),
+        "directives": Key(list, False, "directives every job adds (e.g. --qos=normal)"),
+        "cpu_directives": Key(list, False, "directives every CPU job adds"),
+        "gpu_directives": Key(list, False, "directives every GPU job adds (e.g. --constraint=gpu)"),
+        "group": Key(
+            str, False, "Grid Engine: the group every job names (-g)", NAME, "a group name"
+        ),
+        "cpu_resource": Key(
+            str,
+            False,
+            "Grid Engine: the resource a CPU job asks for, in place of slots (-l rt_C.small=1)",
+            re.compile(r"-l [\w.]+=\d+"),
+            "-l name=number",
+        ),
+        "node_resource": Key(
+            str,
+            False,
+            "Grid Engine: how a job asks for {nodes} whole nodes with all their GPUs (-l rt_F=1)",
+            re.compile(r"-l [\w.]+=\{nodes\}"),
+            "-l name={nodes}",
+        ),
+        "gpus_per_node": Key(int, False, "GPUs on a GPU node (with node_resource)"),
         "gpu_constraint": Key(
             str,
             False,
@@ -113,7 +142,12 @@ SCHEMA = {
         ),
         "local_disk": Key(bool, False, "jobs must ask for node-local disk (--tmp)"),
         "parallel_environment": Key(
-            str, False, "Grid Engine: the shared-memory parallel environment (smp)", NAME, "a name"
+            str,
+            False,
+            "Grid Engine: the shared-memory parallel environment (smp); left out where the "
+            "resources name the cores",
+            NAME,
+            "a name",
         ),
     },
     "modules": {
@@ -139,7 +173,11 @@ SCHEMA = {
             "module names",
         ),
         "cuda": Key(
-            str, False, "the CUDA toolkit's module name, without its version", NAME, "a module name"
+            str,
+            False,
+            'the CUDA toolkit\'s module name, without its version; "" where there is none',
+            re.compile(r"[\w.@/+-]*"),
+            "a module name",
         ),
         "conda": Key(list, False, "modules that provide conda", NAME, "module names"),
         "apptainer": Key(list, False, "modules that provide apptainer", NAME, "module names"),
@@ -159,6 +197,7 @@ SCHEMA = {
             re.compile(r"[\w$/{}.:~-]+"),
             "a path",
         ),
+        "conda": Key(bool, False, "false where the centre does not allow conda"),
     },
     "storage": {
         "node_local": Key(
@@ -309,7 +348,12 @@ def check_value(where, value, spec):
                 raise SiteFileError(f"{where} must be {spec.form_help} (got {item!r})")
 
 
+SLURM_ONLY = ("qos",)
+GRIDENGINE_ONLY = ("group", "cpu_resource", "node_resource", "parallel_environment")
+
+
 def check_gpus(site):
+    """What depends on the scheduler: the GPU form, the directives, the keys of one kind."""
     where = f"{site.path}: scheduler.gpus"
     form = site.get("scheduler.gpus")
     forms = GPU_FORMS[site.scheduler]
@@ -318,11 +362,27 @@ def check_gpus(site):
         raise SiteFileError(
             f"{where}: {form!r} is not a known form for {site.scheduler} (known: {known})"
         )
-    if site.scheduler != "slurm" and "qos" in site.data["scheduler"]:
-        raise SiteFileError(f"{site.path}: scheduler.qos is for Slurm sites only")
-    if site.scheduler == "gridengine" and "parallel_environment" not in site.data["scheduler"]:
+    keys = site.data["scheduler"]
+    for key in SLURM_ONLY if site.scheduler != "slurm" else GRIDENGINE_ONLY:
+        if key in keys:
+            kind = "Slurm" if site.scheduler != "slurm" else "Grid Engine"
+            raise SiteFileError(f"{site.path}: scheduler.{key} is for {kind} sites only")
+    pattern, help_ = DIRECTIVES[site.scheduler]
+    for key in ("directives", "cpu_directives", "gpu_directives"):
+        for item in keys.get(key, []):
+            if not pattern.fullmatch(item):
+                raise SiteFileError(
+                    f"{site.path}: scheduler.{key} must be {site.scheduler} {help_}, without "
+                    f"the directive's prefix (got {item!r})"
+                )
+    if ("node_resource" in keys) != ("gpus_per_node" in keys):
         raise SiteFileError(
-            f"{site.path}: scheduler.parallel_environment is missing (Grid Engine needs it)"
+            f"{site.path}: scheduler.node_resource and scheduler.gpus_per_node go together"
+        )
+    if "cpu_resource" in keys and "parallel_environment" in keys:
+        raise SiteFileError(
+            f"{site.path}: scheduler.cpu_resource replaces scheduler.parallel_environment: "
+            "set one of them"
         )
 
 

@@ -54,6 +54,11 @@ TEST_SITES = {
     "slurm": SITES / "slurm-test-cluster.toml",
     "gridengine": SITES / "gridengine-test-cell.toml",
 }
+# Site files of three kinds of real centre (issue 27): their editions and pages build, and their
+# directives pass the parser of their scheduler on the tests' cluster and cell.
+CENTRE_SITES = {
+    path.stem: path for path in sorted(SITES.glob("*.toml")) if path not in TEST_SITES.values()
+}
 sys.path.insert(0, str(ROOT / "edition"))
 
 # Warnings raised by the examples' own code (module __main__) are errors in the tests.
@@ -332,6 +337,32 @@ def copy_example(tmp_path, *names):
     for name in names:
         shutil.copy2(edition_file(name), tmp_path / Path(name).name)
     return tmp_path
+
+
+def without_cuda_module(tmp_path, script):
+    """A copy of an example with CUDA_MODULE="", as the edition of a site without a CUDA
+    module writes it (tests/sites/h100-no-modules.toml)."""
+    text = script.read_text()
+    assert text.count("\nCUDA_MODULE=cuda ") == 1
+    copy = tmp_path / script.name
+    copy.write_text(text.replace("\nCUDA_MODULE=cuda ", '\nCUDA_MODULE="" '))
+    return copy
+
+
+def centre_edition(name, folder):
+    """The examples/ of a centre's edition (CENTRE_SITES), generated into folder."""
+    from generate import generate
+    from sitefile import load
+
+    generate(load(CENTRE_SITES[name]), folder)
+    return folder / "examples"
+
+
+def path_without(command, path):
+    """PATH without the folders that hold command (a machine's own nvcc, say)."""
+    return os.pathsep.join(
+        folder for folder in path.split(os.pathsep) if not (Path(folder) / command).exists()
+    )
 
 
 def require_command(name, how):

@@ -12,17 +12,17 @@ import tomllib
 import pytest
 from recorded import check_recorded
 
-from conftest import EXAMPLES, ROOT, TEST_SITES, require_command, run
+from conftest import CENTRE_SITES, EXAMPLES, ROOT, TEST_SITES, require_command, run
 
 EDITION = ROOT / "edition"
 TEMPLATE = EDITION / "template.toml"
 sys.path.insert(0, str(EDITION))
 import site_check  # noqa: E402
 
-from generate import GenerateError, generate, generate_text  # noqa: E402
+from generate import CONDA_FILES, Context, GenerateError, generate, generate_text, omitted  # noqa: E402
 from sitefile import SCHEMA, SiteFileError, load  # noqa: E402
 
-SITES = {"template": TEMPLATE, **TEST_SITES}
+SITES = {"template": TEMPLATE, **TEST_SITES, **CENTRE_SITES}
 JOB_SCRIPTS = sorted(str(p.relative_to(EXAMPLES)) for s in ("*.sbatch", "*.qsub")
                      for p in EXAMPLES.rglob(s))  # fmt: skip
 BLOCK = re.compile(r"^# --- Site-specific.*?\n(.*?)^# -{20,}$", re.M | re.S)
@@ -128,6 +128,37 @@ def test_no_text_value_can_hold_a_second_line(tmp_path, dotted):
         load(path)
 
 
+# What a shell or a scheduler would read as more than a value: a command substitution, a
+# second command, a quote that ends a string. A value reaches job scripts, Makefiles and shell
+# lines, so every text key refuses each of them (a centre's name may hold an apostrophe and
+# brackets: it only ever goes into comments and pages).
+PAYLOADS = {
+    "substitution": "x$(id)",
+    "backticks": "x`id`",
+    "second command": "x; id",
+    "double quote": 'x"y',
+    "single quote": "x'y",
+    "glob": "x*",
+    "space and option": "x -o y",
+}
+
+
+@pytest.mark.parametrize("payload", PAYLOADS)
+@pytest.mark.parametrize("dotted", TEXT_KEYS)
+def test_no_text_value_can_hold_shell_syntax(tmp_path, dotted, payload):
+    section, key = dotted.split(".")
+    spec = SCHEMA[section][key]
+    value = PAYLOADS[payload]
+    if dotted == "centre.name" and payload in ("single quote", "space and option"):
+        value = "x$y"  # allowed in a name: try its dollar instead
+    if dotted.endswith("directives"):
+        value = "--constraint=" + value
+    scheduler = "gridengine" if key in ("group", "cpu_resource", "node_resource") else "slurm"
+    path = minimal(tmp_path, scheduler, **{dotted: [value] if spec.kind is list else value})
+    with pytest.raises(SiteFileError, match=rf"{dotted}( must be |: .* is not a known form)"):
+        load(path)
+
+
 def test_a_site_file_that_is_not_utf8_stops_with_one_line(tmp_path):
     path = tmp_path / "site.toml"
     path.write_bytes('[centre]\nname = "Universit\u00e9 HPC"\n'.encode("latin-1"))
@@ -226,6 +257,9 @@ def test_every_job_script_of_the_scheduler_is_filled_in(editions, name):
     site, folder, changed = editions[name]
     suffix = ".sbatch" if site.scheduler == "slurm" else ".qsub"
     for script in JOB_SCRIPTS:
+        if script in omitted(site):
+            assert not (folder / script).exists(), script
+            continue
         text = (folder / script).read_text()
         if not script.endswith(suffix):
             assert text == (EXAMPLES / script).read_text(), f"{script}: another scheduler's script"
@@ -397,3 +431,79 @@ def test_site_check_reads_the_versions_and_the_gpu_from_check_pytorchs_output():
     assert site_check.versions({"first-job/check_pytorch.sbatch": Job()}) == {
         "torch": "2.11.0+cu130", "python": "3.12.3", "cuda": "13.0", "gpu": "NVIDIA H200",
     }  # fmt: skip
+
+
+def test_a_centres_own_directives_go_into_its_jobs_by_kind(editions):
+    """directives (every job), cpu_directives, gpu_directives: each job gets its own."""
+    _site, national, _changed = editions["national-slurm"]
+    gpu = (national / "one-gpu/cnn_gpu.sbatch").read_text()
+    cpu = (national / "cpu-threads/cnn_cpu.sbatch").read_text()
+    assert re.search(r"^#SBATCH --constraint=a100_80g +# site.toml: scheduler.gpu_directives$",
+                     gpu, re.M)  # fmt: skip
+    assert "--constraint" not in cpu and "#SBATCH --qos=normal" in cpu
+    _site, h100, _changed = editions["h100-no-modules"]
+    for name in SLURM_SCRIPTS:
+        if name in CONDA_FILES:
+            continue
+        text = (h100 / name).read_text()
+        assert "#SBATCH --mail-type=NONE " in text, name
+        assert "--partition" not in text.split("set -e")[0], name  # no partition at this site
+        gpu_job = Context(_site, (EXAMPLES / name).read_text()).gpu_job
+        assert ("#SBATCH --constraint=cpu " in text) != gpu_job, name
+
+
+def test_a_site_without_modules_cuda_module_or_conda(editions):
+    """Centre 2: no module line anywhere, CUDA_MODULE="" (nvcc from PATH), no conda files."""
+    site, folder, _changed = editions["h100-no-modules"]
+    texts = {p.relative_to(folder).as_posix(): p.read_text() for p in folder.rglob("*")
+             if p.suffix in (".sbatch", ".sh")}  # fmt: skip
+    assert not [name for name, text in texts.items() if re.search(r"^module load", text, re.M)]
+    for name in ("libtorch/build.sh", "libtorch/libtorch.sbatch", "horovod/install_horovod.sh"):
+        assert re.search(r'^CUDA_MODULE="" ', texts[name], re.M), name
+    assert omitted(site) == set(CONDA_FILES)
+    assert not [name for name in CONDA_FILES if (folder / name).exists()]
+    plan = site_check.load_checks("slurm")
+    assert "install/check_pytorch_conda.sbatch" in plan  # the plan of a site that allows conda
+
+
+def test_a_resource_type_site_asks_for_gpus_nodes_and_cpus_its_way(editions):
+    """Centre 3 (ABCI's Grid Engine): a GPU job asks for its resource type and no slots, a
+    CPU job for the CPU resource, every job names its group and no queue."""
+    site, folder, _changed = editions["abci-gridengine"]
+    directives = {name: re.findall(r"^#\$ (.*)$", (folder / name).read_text(), re.M)
+                  for name in JOB_SCRIPTS if name.endswith(".qsub")}  # fmt: skip
+    assert "-l rt_G.small=1" in directives["first-job/check_pytorch.qsub"]
+    assert "-l rt_C.small=1" in directives["arrays/sweep.qsub"]
+    for name, lines in directives.items():
+        assert "-g gaa50000" in lines, name
+        assert not [line for line in lines if line.startswith(("-pe", "-q"))], (name, lines)
+    # A job that asks for every GPU of a node asks for the whole node.
+    text = (EXAMPLES / "first-job/check_pytorch.qsub").read_text().replace("-l gpu=1", "-l gpu=4")
+    assert "#$ -l rt_F=1\n" in generate_text(site, "x.qsub", text)
+    assert "#$ -l rt_G.small=2\n" in generate_text(site, "x.qsub", text.replace("gpu=4", "gpu=2"))
+
+
+SCHEDULER_KEYS = {  # a key of one scheduler in the other's site file
+    ("slurm", "scheduler.group"): "gaa50000",
+    ("slurm", "scheduler.cpu_resource"): "-l rt_C.small=1",
+    ("slurm", "scheduler.parallel_environment"): "smp",
+    ("gridengine", "scheduler.qos"): "normal",
+}
+
+
+@pytest.mark.parametrize("scheduler, dotted", SCHEDULER_KEYS)
+def test_a_key_of_the_other_scheduler_stops_with_one_line(tmp_path, scheduler, dotted):
+    path = minimal(tmp_path, scheduler, **{dotted: SCHEDULER_KEYS[scheduler, dotted]})
+    with pytest.raises(SiteFileError, match=rf"{dotted} is for .* sites only"):
+        load(path)
+
+
+def test_directives_take_the_form_of_the_sites_scheduler(tmp_path):
+    with pytest.raises(SiteFileError, match=r"scheduler.gpu_directives must be slurm long options"):
+        load(minimal(tmp_path, **{"scheduler.gpu_directives": ["-C gpu"]}))
+    with pytest.raises(SiteFileError, match=r"scheduler.directives must be gridengine options"):
+        load(minimal(tmp_path, "gridengine", **{"scheduler.directives": ["--constraint=gpu"]}))
+    with pytest.raises(
+        SiteFileError, match="node_resource and scheduler.gpus_per_node go together"
+    ):
+        load(minimal(tmp_path, "gridengine", **{"scheduler.node_resource": "-l rt_F={nodes}"}))

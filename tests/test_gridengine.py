@@ -14,7 +14,18 @@ import time
 
 import pytest
 
-from conftest import EXAMPLES, ROOT, TEST_SITES, VERSIONS, Job, build_edition, copy_example, run
+from conftest import (
+    CENTRE_SITES,
+    EXAMPLES,
+    ROOT,
+    TEST_SITES,
+    VERSIONS,
+    Job,
+    build_edition,
+    centre_edition,
+    copy_example,
+    run,
+)
 
 pytestmark = pytest.mark.gridengine
 
@@ -183,3 +194,32 @@ def test_site_check_runs_every_job_script_of_the_cell_and_records_it(cell_env, t
     assert (
         f"Verified at the tests' Grid Engine cell on {date}: 1 of 1 job scripts passed" in page
     ), page
+
+
+@pytest.mark.parametrize(
+    "name",
+    [name for name, path in CENTRE_SITES.items() if 'kind = "gridengine"' in path.read_text()],
+)
+def test_every_directive_of_a_centres_edition_is_one_qsub_accepts(cell_env, tmp_path, name):
+    """qsub -verify parses every #$ line of the centre's scripts and prints the job it would
+    submit, without asking whether the cell has the centre's resources. The cell's Grid Engine
+    (SGE 8.1) lacks one option of Altair Grid Engine, which ABCI runs: -g, the group. Those
+    lines are checked for their form, then left out of the parser's copy."""
+    edition = centre_edition(name, tmp_path)
+    scripts = sorted(edition.rglob("*.qsub"))
+    assert scripts
+    for script in scripts:
+        text = script.read_text()
+        groups = re.findall(r"^#\$ -g .*\n", text, re.M)
+        assert all(re.fullmatch(r"#\$ -g [\w.-]+\n", line) for line in groups), groups
+        script.write_text("".join(line for line in text.splitlines(keepends=True)
+                                  if line not in groups))  # fmt: skip
+        proc = run(["qsub", "-verify", script], cwd=script.parent, env=cell_env)
+        for resource in re.findall(r"^#\$ -l (\S+)$", text, re.M):
+            assert re.search(rf"^hard resource_list: .*\b{re.escape(resource)}\b", proc.stdout,
+                             re.M), (script.name, resource, proc.stdout)  # fmt: skip
+    # The check can fail: an option qsub does not know stops it.
+    broken = tmp_path / "broken.qsub"
+    broken.write_text(scripts[0].read_text().replace("#$ -cwd", "#$ -cwdd", 1))
+    proc = run(["qsub", "-verify", broken], cwd=tmp_path, env=cell_env, expect_rc=None)
+    assert proc.returncode != 0 and "-cwdd" in proc.stderr, proc.stderr

@@ -26,7 +26,9 @@ from conftest import (
     copy_example,
     epoch_losses,
     example_env,
+    path_without,
     run,
+    without_cuda_module,
 )
 
 HOROVOD = EXAMPLES / "horovod"
@@ -315,6 +317,23 @@ def test_a_gpu_build_without_the_cuda_module_of_the_wheel_is_one_line(tmp_path):
         "install_horovod.sh: error: torch was built with CUDA 13.0 but there is no module "
         "cuda/13.0\n"
     )
+
+
+def test_a_gpu_build_at_a_site_without_a_cuda_module_takes_nvcc_from_path(tmp_path):
+    venv, _ = cuda_wheel_venv(tmp_path, "12.8")
+    script = without_cuda_module(tmp_path, INSTALL)
+    env = activated(venv, PIP_NO_INDEX=1)
+    env["PATH"] = path_without("nvcc", env["PATH"])
+    proc = run(["bash", script, "--gpu", "--print-env"], cwd=venv, env=env, expect_rc=1)
+    assert proc.stderr == (
+        "install_horovod.sh: error: no nvcc on PATH: install the CUDA 12.8 toolkit, or set "
+        "CUDA_MODULE to your site's module\n"
+    )
+    toolkit = TESTS / "standins" / "cuda-12.8"
+    env["PATH"] = f"{toolkit / 'bin'}:{env['PATH']}"
+    out = run(["bash", script, "--gpu", "--print-env"], cwd=venv, env=env).stdout
+    assert f"CUDA 12.8 ({toolkit}/bin/nvcc)" in out.splitlines()[0], out
+    assert f"HOROVOD_CUDA_HOME={toolkit}" in out.splitlines(), out
 
 
 def test_the_job_script_without_horovod_in_the_venv_says_how_to_install_it(job_env, tmp_path):

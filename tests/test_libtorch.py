@@ -21,8 +21,10 @@ from conftest import (
     copy_example,
     epoch_losses,
     example_env,
+    path_without,
     require_command,
     run,
+    without_cuda_module,
 )
 
 SHOW = EXAMPLES / "libtorch" / "show_build_info.py"
@@ -287,6 +289,20 @@ def test_build_sh_without_a_matching_cuda_module_is_a_one_line_error(tmp_path, j
     assert proc.stderr == (
         "build.sh: error: torch was built with CUDA 13.0 but there is no module cuda/13.0: "
         "ask your site, or install a torch for a CUDA it has\n"
+    )
+    assert not (tmp_path / "build").exists()
+
+
+def test_build_sh_at_a_site_without_a_cuda_module_needs_nvcc_on_path(tmp_path, job_env):
+    """CUDA_MODULE="" (a site without a CUDA module): no module load; without an nvcc on
+    PATH, one line, nothing built."""
+    script = without_cuda_module(tmp_path, EXAMPLES / "libtorch" / "build.sh")
+    env = {**job_env, "VENV": str(fake_cuda_venv(tmp_path, "13.0"))}
+    env["PATH"] = path_without("nvcc", env["PATH"])
+    proc = run(["bash", script], cwd=tmp_path, env=env, expect_rc=1)
+    assert proc.stderr == (
+        "build.sh: error: torch was built with CUDA 13.0 and there is no nvcc on PATH: install "
+        "the CUDA 13.0 toolkit, or set CUDA_MODULE to your site's module\n"
     )
     assert not (tmp_path / "build").exists()
 

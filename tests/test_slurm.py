@@ -23,11 +23,13 @@ import records
 from recorded import check_recorded
 
 from conftest import (
+    CENTRE_SITES,
     EXAMPLES,
     TEST_SITES,
     VERSIONS,
     Job,
     build_edition,
+    centre_edition,
     copy_example,
     make_job_env,
     run,
@@ -1085,3 +1087,30 @@ def test_ctrl_c_cancels_the_jobs_of_site_check(cluster, job_env, tmp_path):
     while job_info(job_id, cluster["env"])["JobState"] != "CANCELLED":
         assert time.monotonic() < deadline, job_info(job_id, cluster["env"])
         time.sleep(0.2)
+
+
+@pytest.mark.parametrize(
+    "name", [name for name, path in CENTRE_SITES.items() if 'kind = "slurm"' in path.read_text()]
+)
+def test_every_directive_of_a_centres_edition_is_one_sbatch_accepts(cluster, tmp_path, name):
+    """sbatch --test-only reads every #SBATCH line of the centre's scripts: an option it does
+    not know or a value it cannot parse stops it before it asks the controller. The cluster
+    may then refuse what it does not have (the centre's partition, QoS, GPU type): the
+    controller's "allocation failure", which is about this cluster, not the script."""
+    edition = centre_edition(name, tmp_path)
+    scripts = sorted(edition.rglob("*.sbatch"))
+    assert len(scripts) > 30
+    bad = {}
+    for script in scripts:
+        proc = run(["sbatch", "--test-only", script], cwd=script.parent, env=cluster["env"],
+                   expect_rc=None)  # fmt: skip
+        if proc.returncode != 0 and "\nallocation failure: " not in f"\n{proc.stderr}":
+            bad[script.relative_to(edition).as_posix()] = proc.stderr.strip()
+    assert not bad, bad
+    # The check can fail: a directive sbatch cannot parse stops it with its own message.
+    broken = tmp_path / "broken.sbatch"
+    broken.write_text(scripts[0].read_text().replace("#SBATCH --time=", "#SBATCH --time=soon", 1))
+    proc = run(["sbatch", "--test-only", broken], cwd=tmp_path, env=cluster["env"],
+               expect_rc=None)  # fmt: skip
+    assert proc.returncode != 0 and "allocation failure" not in proc.stderr, proc.stderr
+    assert "Invalid --time specification" in proc.stderr, proc.stderr

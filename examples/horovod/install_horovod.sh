@@ -46,7 +46,7 @@ done
 
 # --- Site-specific: a C++17 compiler, CMake >= 3.13, the CUDA module's name ----
 module load gcc/12                       # g++; add your site's cmake module if it has one
-CUDA_MODULE=cuda                         # with --gpu: loaded as cuda/<torch.version.cuda>
+CUDA_MODULE=cuda                         # with --gpu: cuda/<torch.version.cuda> ("": none)
 # -------------------------------------------------------------------------------
 HOROVOD_VERSION=0.28.1
 
@@ -66,9 +66,14 @@ if ((gpu)); then
     cuda=$(python -c 'import torch; print(torch.version.cuda or "")')
     [[ -n $cuda ]] || die "--gpu needs a CUDA build of torch, and torch in $VIRTUAL_ENV is a" \
         "CPU build: install a CUDA torch first, or build without --gpu"
-    module load "$CUDA_MODULE/$cuda" 2>/dev/null \
-        || die "torch was built with CUDA $cuda but there is no module $CUDA_MODULE/$cuda"
-    nvcc=$(command -v nvcc) || die "no nvcc after module load $CUDA_MODULE/$cuda"
+    if [[ -n $CUDA_MODULE ]]; then
+        module load "$CUDA_MODULE/$cuda" 2>/dev/null \
+            || die "torch was built with CUDA $cuda but there is no module $CUDA_MODULE/$cuda"
+        nvcc=$(command -v nvcc) || die "no nvcc after module load $CUDA_MODULE/$cuda"
+    else  # CUDA_MODULE="": the site's toolkit is on PATH
+        nvcc=$(command -v nvcc) || die "no nvcc on PATH: install the CUDA $cuda toolkit, or set" \
+            "CUDA_MODULE to your site's module"
+    fi
     # The NCCL of the wheel (the nvidia-nccl pip package), the one torch loads: two NCCLs in
     # one process conflict. It has libnccl.so.2 but not the libnccl.so that CMake looks for.
     nccl=$(python -c 'import pathlib, torch

@@ -20,6 +20,7 @@ import sys
 from hashlib import sha256
 from pathlib import Path
 
+from docutils import nodes
 from sphinx import addnodes
 from sphinx.directives.code import LiteralInclude
 from sphinx.errors import ConfigError
@@ -30,7 +31,7 @@ EXAMPLES = ROOT / "examples"
 EDITIONS = ROOT / "_build" / "editions"
 sys.path.insert(0, str(ROOT / "edition"))
 
-from generate import GenerateError, generate, scheduler_of  # noqa: E402
+from generate import GenerateError, generate, omitted, scheduler_of  # noqa: E402
 from sitefile import SiteFileError, load  # noqa: E402
 
 SITE = None  # the loaded site file, or None for the generic guide
@@ -70,11 +71,26 @@ def generic_path(path):
     return path
 
 
+class left_out(nodes.Element):  # noqa: N801 (a docutils node class)
+    """Where a page includes a file that the centre's edition leaves out (its conda files where
+    conda is not allowed): EditionLeavesOut removes the section around it."""
+
+
+def is_left_out(path):
+    path = Path(path).resolve()
+    if SITE is None or EXAMPLES not in path.parents:
+        return False
+    return path.relative_to(EXAMPLES).as_posix() in omitted(SITE)
+
+
 class EditionLiteralInclude(LiteralInclude):
     """literalinclude that reads the centre's version of a file of examples/."""
 
     def run(self):
         if EDITION is not None:
+            _rel, full = self.env.relfn2path(self.arguments[0])
+            if is_left_out(full):
+                return [left_out()]
             docdir = Path(self.env.doc2path(self.env.docname)).parent
             for option in ("diff",):
                 if option in self.options:
@@ -97,6 +113,27 @@ class EditionDownloads(SphinxTransform):
         for node in self.document.findall(addnodes.download_reference):
             _rel, full = self.env.relfn2path(node["reftarget"], self.env.docname)
             node["reftarget"] = os.path.relpath(edition_path(full), docdir)
+
+
+class EditionLeavesOut(SphinxTransform):
+    """A section that shows a file the edition leaves out goes, title and all."""
+
+    default_priority = 200
+
+    def apply(self):
+        for node in list(self.document.findall(left_out)):
+            section = next((p for p in _ancestors(node) if isinstance(p, nodes.section)), None)
+            if section is None:
+                raise ConfigError(f"{self.env.docname}: a file the edition leaves out is shown "
+                                  "outside a section")  # fmt: skip
+            if section.parent is not None:
+                section.parent.remove(section)
+
+
+def _ancestors(node):
+    while node.parent is not None:
+        node = node.parent
+        yield node
 
 
 def job_scripts_of_the_centre(examples):
@@ -124,4 +161,5 @@ def setup(app):
     app.connect("config-inited", setup_edition, priority=400)
     app.add_directive("literalinclude", EditionLiteralInclude, override=True)
     app.add_transform(EditionDownloads)
+    app.add_transform(EditionLeavesOut)
     return {"version": "1.0", "parallel_read_safe": True, "parallel_write_safe": True}
