@@ -65,7 +65,18 @@ class Context:
         # GPUs per node, from the request in the header or in a site-specific block.
         gpus = re.search(r"^#SBATCH --gpus-per-node=(\d+)", text, re.M)
         self.gpus = int(gpus[1]) if gpus else 0
+        # Tasks per node: --ntasks-per-node, or --ntasks on one node, else one.
+        tasks = re.search(r"^#SBATCH --ntasks-per-node=(\d+)", text, re.M)
+        single = re.search(r"^#SBATCH --nodes=1\b", text, re.M) and re.search(
+            r"^#SBATCH --ntasks=(\d+)", text, re.M
+        )
+        self.tasks = int(tasks[1]) if tasks else int(single[1]) if single else 1
         self.gpu_job = bool(self.gpus or re.search(r"^#\$ -l gpu=\d+", text, re.M))
+
+    @property
+    def per_gpu_cores(self):
+        """True when the job asks for its cores with --cpus-per-gpu (scheduler.per_gpu)."""
+        return bool(self.site.get("scheduler.per_gpu") and self.gpus)
 
     def directives(self):
         """(key, directive) of the site's directives for every job and for this job's kind."""
@@ -259,8 +270,11 @@ RULES = [
         r"LOGIN_HOST=\$\{LOGIN_HOST:-[^}]+\}",
         _assign("centre.login_host", "LOGIN_HOST=${{LOGIN_HOST:-{value}}}"),
     ),
-    # kept as they are: the image a reader builds
-    (r"IMAGE=\$\{IMAGE:-[^}]+\}", lambda *_: None),
+    # the image a reader builds: in project space, not in a home with its small quota
+    (
+        r"IMAGE=\$\{IMAGE:-\$HOME/containers/pytorch\.sif\}",
+        _assign("storage.project", "IMAGE=${{IMAGE:-{value}/containers/pytorch.sif}}"),
+    ),
     (r"BIND=\$\{BIND-[^}]*\}", _bind),
     (
         r"export APPTAINER_CACHEDIR=\$\{APPTAINER_CACHEDIR:-\$APPTAINER_TMPDIR/cache\}",
@@ -295,6 +309,14 @@ def fill_block(ctx, name, lineno, lines):
                 f"{name}:{lineno + offset + 1}: a line of a site-specific block that "
                 f"edition/generate.py has no rule for: {line.strip()}"
             )
+    if ctx.per_gpu_cores and any(re.match(r"##SBATCH --account=", line) for line in lines):
+        # --cpus-per-gpu sets SLURM_CPUS_PER_GPU, not the SLURM_CPUS_PER_TASK that the script
+        # reads (srun -c, threads): the cores of one task, from the cores per GPU.
+        out.append(
+            "export SLURM_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-$((SLURM_CPUS_PER_GPU * "
+            f"{ctx.gpus} / {ctx.tasks}))}}  # site.toml: scheduler.per_gpu"
+        )
+        out.append("unset SLURM_CPUS_PER_GPU     # srun -c and --cpus-per-gpu exclude each other")
     if ctx.site.scheduler == "gridengine" and any(line.startswith("#$ ") for line in lines):
         last = max((i for i, line in enumerate(out) if line.startswith("#$ ")),
                    default=len(out) - 1)  # fmt: skip
@@ -315,15 +337,10 @@ def opening_marker(site):
 
 def header_lines(ctx, lines):
     """Outside the blocks: the GPU request; cores and memory per GPU where the site sets them."""
-    text = "\n".join(lines)
-    gpus = ctx.gpus
+    gpus, tasks = ctx.gpus, ctx.tasks
     if ctx.site.scheduler != "slurm" or not gpus:
         return lines
-    tasks = re.search(r"^#SBATCH --ntasks-per-node=(\d+)", text, re.M)
-    single = re.search(r"^#SBATCH --nodes=1\b", text, re.M) and re.search(
-        r"^#SBATCH --ntasks=(\d+)", text, re.M
-    )
-    tasks = int(tasks[1]) if tasks else int(single[1]) if single else 1
+    per_gpu = ctx.site.get("scheduler.per_gpu")
     cores, memory = (
         ctx.site.get("scheduler.cores_per_gpu"),
         ctx.site.get("scheduler.memory_per_gpu"),
@@ -333,6 +350,10 @@ def header_lines(ctx, lines):
         code, comment, column = split_comment(line)
         if m := re.fullmatch(r"#SBATCH --gpus-per-node=(\d+)", code):
             code = "#SBATCH " + ctx.site.gpu_request(m[1])
+        elif per_gpu and re.fullmatch(r"#SBATCH --cpus-per-task=\d+", code):
+            code, comment = f"#SBATCH --cpus-per-gpu={cores}", "# site.toml: cores per GPU"
+        elif per_gpu and re.fullmatch(r"#SBATCH --mem=\S+", code):
+            code, comment = f"#SBATCH --mem-per-gpu={memory}", "# site.toml: memory per GPU"
         elif cores and re.fullmatch(r"#SBATCH --cpus-per-task=\d+", code):
             code = f"#SBATCH --cpus-per-task={max(1, cores * gpus // tasks)}"
             comment = f"# site.toml: {cores} cores per GPU"

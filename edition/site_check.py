@@ -351,6 +351,9 @@ def main(argv=None):
         site = load(args.site)
         checks = load_checks(site.scheduler, args.only)
         checks = {name: s for name, s in checks.items() if name not in omitted(site)}
+        for settings in checks.values():  # {project}: the site's project space (storage.project)
+            settings["prepare"] = [command.replace("{project}", site.get("storage.project"))
+                                   for command in settings.get("prepare", [])]  # fmt: skip
     except (SiteFileError, CheckError) as error:
         sys.exit(f"site_check.py: error: {error}")
     tool = "sbatch" if site.scheduler == "slurm" else "qsub"

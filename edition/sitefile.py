@@ -71,6 +71,13 @@ SCHEMA = {
             re.compile(r"https?://[\w.~:/?#@%+=&,-]+"),
             "an http(s) address (letters, digits and . ~ : / ? # @ % + = & , - only)",
         ),
+        "repository": Key(
+            str,
+            False,
+            "the centre's copy of the guide's repository (https://...), where its pages link",
+            re.compile(r"https?://[\w.~:/@%+=,-]+"),
+            "an http(s) address (letters, digits and . ~ : / @ % + = , - only)",
+        ),
         "login_host": Key(
             str, False, "the name users ssh to (Jupyter's tunnel)", NAME, "a host name"
         ),
@@ -139,6 +146,12 @@ SCHEMA = {
         "cores_per_gpu": Key(int, False, "CPU cores a GPU job gets per GPU"),
         "memory_per_gpu": Key(
             str, False, "memory a GPU job gets per GPU, e.g. 64G", SIZE, "a size such as 64G"
+        ),
+        "per_gpu": Key(
+            bool,
+            False,
+            "Slurm: GPU jobs ask with --cpus-per-gpu and --mem-per-gpu (cores_per_gpu and "
+            "memory_per_gpu) instead of --cpus-per-task and --mem",
         ),
         "local_disk": Key(bool, False, "jobs must ask for node-local disk (--tmp)"),
         "parallel_environment": Key(
@@ -348,7 +361,7 @@ def check_value(where, value, spec):
                 raise SiteFileError(f"{where} must be {spec.form_help} (got {item!r})")
 
 
-SLURM_ONLY = ("qos",)
+SLURM_ONLY = ("qos", "per_gpu")
 GRIDENGINE_ONLY = ("group", "cpu_resource", "node_resource", "parallel_environment")
 
 
@@ -375,6 +388,11 @@ def check_gpus(site):
                     f"{site.path}: scheduler.{key} must be {site.scheduler} {help_}, without "
                     f"the directive's prefix (got {item!r})"
                 )
+    if keys.get("per_gpu") and not ("cores_per_gpu" in keys and "memory_per_gpu" in keys):
+        raise SiteFileError(
+            f"{site.path}: scheduler.per_gpu needs scheduler.cores_per_gpu and "
+            "scheduler.memory_per_gpu"
+        )
     if ("node_resource" in keys) != ("gpus_per_node" in keys):
         raise SiteFileError(
             f"{site.path}: scheduler.node_resource and scheduler.gpus_per_node go together"

@@ -2,6 +2,7 @@
 
 import atexit
 import hashlib
+import html
 import importlib.metadata
 import json
 import os
@@ -329,6 +330,11 @@ def build_edition(site, out):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
     return out
+
+
+def page_text(path):
+    """A built page's text, without tags and with entities decoded, spaces collapsed."""
+    return html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", "", path.read_text())))
 
 
 def copy_example(tmp_path, *names):

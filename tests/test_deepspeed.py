@@ -364,8 +364,8 @@ def test_job_script_gives_each_job_its_own_folders():
     setting = dict(re.findall(r"^#SBATCH --([\w-]+)=(\S+)", text, re.M))
     assert setting["ntasks-per-node"] == setting["gpus-per-node"] == "2"
     assert "TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$HOME/.cache/torch_extensions/" in text
-    assert "nvme_dir=$SLURM_TMPDIR" in text
-    assert "nvme_dir=/tmp/${USER:-$(id -un)}-ds-$SLURM_JOB_ID" in text
+    assert "\nLOCAL=${SLURM_TMPDIR:-${TMPDIR:-/tmp}} " in text  # in the site-specific block
+    assert "nvme_dir=$LOCAL/${USER:-$(id -un)}-ds-$SLURM_JOB_ID" in text
     assert """trap 'rm -rf "$nvme_dir"' EXIT""" in text
     assert (
         'srun -c "$SLURM_CPUS_PER_TASK" --kill-on-bad-exit=1 python deepspeed_train.py '

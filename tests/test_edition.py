@@ -4,6 +4,7 @@ The runs of site-check against the tests' Slurm cluster and Grid Engine cell are
 test_slurm.py and test_gridengine.py, beside the other tests that use them.
 """
 
+import html
 import json
 import re
 import sys
@@ -12,7 +13,16 @@ import tomllib
 import pytest
 from recorded import check_recorded
 
-from conftest import CENTRE_SITES, EXAMPLES, ROOT, TEST_SITES, require_command, run
+from conftest import (
+    CENTRE_SITES,
+    EXAMPLES,
+    ROOT,
+    TEST_SITES,
+    build_edition,
+    page_text,
+    require_command,
+    run,
+)
 
 EDITION = ROOT / "edition"
 TEMPLATE = EDITION / "template.toml"
@@ -186,6 +196,19 @@ def test_containers_bind_the_sites_folders(editions):
     assert re.search(r"^BIND=\$\{BIND-/project/\$USER,\$SCRATCH,/datasets\} ", text, re.M), text
     minimal_text = (editions["minimal"][1] / "containers" / "apptainer.sbatch").read_text()
     assert re.search(r"^BIND=\$\{BIND-\$PROJECT,\$SCRATCH\} ", minimal_text, re.M)
+    # The image (gigabytes) is in project space, not in a home with a small quota.
+    assert re.search(r"^IMAGE=\$\{IMAGE:-/project/\$USER/containers/pytorch\.sif\} ", text, re.M)
+
+
+def test_site_check_builds_the_image_where_the_edition_looks_for_it(tmp_path):
+    """site-check's preparation builds the image, and keeps Apptainer's cache, in the
+    site's project space: where the edition's apptainer.sbatch looks for the image."""
+    only = ["--only", "containers/apptainer.sbatch", "--work-dir", tmp_path]
+    proc = run([sys.executable, EDITION / "site_check.py", TEMPLATE, "--dry-run", *only], cwd=ROOT)
+    line = next(line for line in proc.stdout.splitlines() if "apptainer.sbatch:" in line)
+    assert 'APPTAINER_CACHEDIR="/project/$USER/containers/cache" apptainer build ' in line, line
+    assert 'apptainer build "/project/$USER/containers/pytorch.sif" pytorch.def' in line, line
+    assert "~" not in line and "$HOME" not in line, line
 
 
 def test_an_optional_gpu_stays_off_in_the_edition(editions):
@@ -198,14 +221,9 @@ def test_an_optional_gpu_stays_off_in_the_edition(editions):
 
 
 SLURM_SCRIPTS = [name for name in JOB_SCRIPTS if name.endswith(".sbatch")]
-# Still reads SLURM_TMPDIR itself (issue 27: its fallback folder is described on the page).
-NODE_LOCAL_PENDING = {"deepspeed/deepspeed.sbatch"}
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason="issue 27, still open"))
-    if name in NODE_LOCAL_PENDING else name for name in SLURM_SCRIPTS
-])  # fmt: skip
+@pytest.mark.parametrize("name", SLURM_SCRIPTS)
 def test_the_node_local_folder_is_the_sites(node_local_edition, name):
     """A site whose jobs get their node-local folder in TMPDIR (storage.node_local): no line
     of its scripts reads SLURM_TMPDIR, which is set at other sites only."""
@@ -507,3 +525,54 @@ def test_directives_take_the_form_of_the_sites_scheduler(tmp_path):
         SiteFileError, match="node_resource and scheduler.gpus_per_node go together"
     ):
         load(minimal(tmp_path, "gridengine", **{"scheduler.node_resource": "-l rt_F={nodes}"}))
+
+
+# What each centre's users type in the first job's interactive session, in its edition.
+CENTRE_CONSOLE = {
+    "national-slurm": [
+        "$ salloc --time=00:30:00 --cpus-per-task=4 --mem=8G --gres=gpu:a100:1 "
+        "--account=proj-12345 --qos=normal --partition=gpu --constraint=a100_80g\n",
+        "$ module load StdEnv/2023 python/3.12\n",
+        "$ source /project/proj-12345/$USER/venvs/pytorch/bin/activate\n",
+    ],
+    "h100-no-modules": [
+        "$ salloc --time=00:30:00 --cpus-per-task=4 --mem=8G --gres=gpu:h100:1 "
+        "--account=research --mail-type=NONE\n",
+        "$ salloc --time=00:30:00 --cpus-per-task=4 --mem=8G --gres=gpu:h100:1 "
+        "--account=research --mail-type=NONE\n[user@login ~]$ source $HOME/venvs/pytorch/",
+    ],
+    "abci-gridengine": [
+        "$ qrsh -l h_rt=00:30:00 -l rt_G.small=1 -g gaa50000\n",
+        "$ module load python/3.11/3.11.9\n",
+    ],
+}
+GENERIC_FOLDER = "https://github.com/pytorch-on-hpc/pytorch-on-hpc/tree/main/examples/first-job"
+CENTRE_LINKS = {  # national-slurm names its repository; the others have none
+    "national-slurm": {"https://git.ncc.example.org/support/pytorch-on-hpc/tree/main/examples/"
+                       "first-job", GENERIC_FOLDER},
+    "h100-no-modules": {GENERIC_FOLDER},
+    "abci-gridengine": {GENERIC_FOLDER},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", CENTRE_SITES)
+def test_a_centres_pages_build_strictly_with_its_scripts(tmp_path, name):
+    """The English pages of each centre's edition build with -W; its pages show its scripts,
+    and where it forbids conda, the conda section says so instead of teaching it."""
+    site = load(CENTRE_SITES[name])
+    built = build_edition(CENTRE_SITES[name], tmp_path / "html")
+    first_job = page_text(built / "getting-started" / "first-job.html")
+    assert f"Edition of {site.name}:" in first_job
+    assert site.gpu_request(1) in first_job  # its first job's script, with one GPU
+    first_job_html = (built / "getting-started" / "first-job.html").read_text()
+    console = html.unescape(re.sub(r"<[^>]+>", "", first_job_html))  # lines kept
+    for line in CENTRE_CONSOLE[name]:
+        assert line in console, line
+    assert "module load python/3.11" not in console
+    # The folder links of its generated scripts: its own repository, or none.
+    links = re.findall(r'href="([^"]*/tree/main/examples/first-job)"', first_job_html)
+    assert set(links) == CENTRE_LINKS[name], links
+    install = page_text(built / "getting-started" / "install.html")
+    conda_gone = f"{site.name} does not allow this: see the other ways on this page." in install
+    assert conda_gone == (site.get("environment.conda") is False)
+    assert ("conda shell.bash hook" in install) != conda_gone

@@ -5,10 +5,10 @@ each; it is started once for these tests and stopped at the end. Run only these 
 `make test-slurm`.
 """
 
-import html
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,9 +32,11 @@ from conftest import (
     centre_edition,
     copy_example,
     make_job_env,
+    page_text,
     run,
 )
-from sitefile import load  # noqa: E402 (edition/, on the path from conftest)
+from generate import generate  # noqa: E402 (edition/, on the path from conftest)
+from sitefile import load  # noqa: E402
 
 pytestmark = pytest.mark.slurm
 # How a job asks this cluster for n GPUs (tests/sites/slurm-test-cluster.toml).
@@ -264,9 +266,10 @@ JOBS = {
             "rank 3/4 on n2, cpu (gloo): sum 10",
             "All 4 processes on 2 node(s) (n1, n2) reached each other",
         ),
-        # The image, built on the "login node" by the apptainer stand-in (tests/standins).
+        # The image, built on the "login node" by the apptainer stand-in (tests/standins), in
+        # the project space of the cluster's site file ($PWD), where its edition looks for it.
         prepare=(
-            f"mkdir -p ~/containers && apptainer build ~/containers/pytorch.sif "
+            f"mkdir -p containers && apptainer build containers/pytorch.sif "
             f"{EXAMPLES / 'containers' / 'pytorch.def'}",
         ),
     ),
@@ -1054,8 +1057,8 @@ def test_site_check_records_each_outcome_and_the_edition_shows_it(cluster, job_e
 
 
 def text_of(path):
-    """A built page's text, without tags and with entities decoded."""
-    text = html.unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", "", path.read_text())))
+    """A built page's text, from its stamp on."""
+    text = page_text(path)
     return (
         re.search(r"Scripts on this page: .*? \(How this guide is tested\)", text)[0]
         + text.split("(How this guide is tested)", 1)[1]
@@ -1114,3 +1117,29 @@ def test_every_directive_of_a_centres_edition_is_one_sbatch_accepts(cluster, tmp
                expect_rc=None)  # fmt: skip
     assert proc.returncode != 0 and "allocation failure" not in proc.stderr, proc.stderr
     assert "Invalid --time specification" in proc.stderr, proc.stderr
+
+
+def test_a_site_that_asks_per_gpu_runs_its_jobs_with_their_cores(cluster, job_env, tmp_path):
+    """scheduler.per_gpu: GPU jobs ask with --cpus-per-gpu and --mem-per-gpu, as such. The
+    scripts read SLURM_CPUS_PER_TASK (srun -c, threads), which --cpus-per-gpu does not set:
+    the edition derives it, and the two-node DDP job runs with each task's cores."""
+    site = site_variant(tmp_path / "site", per_gpu=True, cores_per_gpu=1, memory_per_gpu="200M")
+    generate(load(site), tmp_path / "edition")
+    script = tmp_path / "edition" / "examples" / "ddp" / "ddp_srun.sbatch"
+    text = script.read_text()
+    assert re.search(r"^#SBATCH --cpus-per-gpu=1 ", text, re.M), text
+    assert re.search(r"^#SBATCH --mem-per-gpu=200M ", text, re.M), text
+    assert not re.search(r"^#SBATCH --(cpus-per-task|mem)=", text, re.M), text
+    job = JOBS["ddp/ddp_srun.sbatch"]
+    folder = tmp_path / "job"
+    folder.mkdir()
+    shutil.copy2(script, folder)
+    shutil.copy2(EXAMPLES / "ddp" / "ddp.py", folder)
+    env = job_env_for(cluster, job_env)
+    job_id = sbatch("ddp_srun.sbatch", *job.args, cwd=folder, env=env)
+    info = wait_for(job_id, env)
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), info["output"]
+    for line in job.expect:
+        assert line.format(job_id=job_id) in info["output"], info["output"]
+    assert info["CPUs/Task"] == "1" or "CPUs/Task" not in info, info
+    check_step_cores(cluster, job_id, {**info, "CPUs/Task": "1"})

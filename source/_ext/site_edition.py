@@ -9,13 +9,17 @@ With a site file (make html SITE=site.toml, which sets PYTORCH_ON_HPC_SITE), thi
 - under the title of each page that shows job scripts of the centre's scheduler, says what the
   centre chose (partition, account, GPU request, modules, environment), and adds its
   site-check record's stamp to the project's ("Verified at <centre> on <date>: ...",
-  verification.py).
+  verification.py);
+- rewrites the pages' console blocks as the centre's users type them (EditionConsole: modules,
+  venv, the interactive GPU session), and empties the sections that show files the edition
+  leaves out (EditionLeavesOut: conda's, where the centre does not allow conda).
 
 Without a site file, nothing changes: the generic guide builds as before.
 """
 
 import json
 import os
+import re
 import sys
 from hashlib import sha256
 from pathlib import Path
@@ -24,6 +28,7 @@ from docutils import nodes
 from sphinx import addnodes
 from sphinx.directives.code import LiteralInclude
 from sphinx.errors import ConfigError
+from sphinx.locale import _
 from sphinx.transforms import SphinxTransform
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,7 +78,7 @@ def generic_path(path):
 
 class left_out(nodes.Element):  # noqa: N801 (a docutils node class)
     """Where a page includes a file that the centre's edition leaves out (its conda files where
-    conda is not allowed): EditionLeavesOut removes the section around it."""
+    conda is not allowed): EditionLeavesOut empties the section around it."""
 
 
 def is_left_out(path):
@@ -116,24 +121,97 @@ class EditionDownloads(SphinxTransform):
 
 
 class EditionLeavesOut(SphinxTransform):
-    """A section that shows a file the edition leaves out goes, title and all."""
+    """A section that shows a file the edition leaves out (conda's, where conda is not allowed)
+    keeps its title and says that the centre does not allow it."""
 
     default_priority = 200
 
     def apply(self):
+        sections = []
         for node in list(self.document.findall(left_out)):
             section = next((p for p in _ancestors(node) if isinstance(p, nodes.section)), None)
             if section is None:
                 raise ConfigError(f"{self.env.docname}: a file the edition leaves out is shown "
                                   "outside a section")  # fmt: skip
-            if section.parent is not None:
-                section.parent.remove(section)
+            if not any(section is seen for seen in sections):
+                sections.append(section)
+        for section in sections:  # its title stays, over one line that says why it is empty
+            title = section.next_node(nodes.title)
+            section.children = [title] if title is not None else []
+            section += nodes.paragraph("", _("{centre} does not allow this: see the other ways "
+                                             "on this page.").format(centre=SITE.name))  # fmt: skip
 
 
 def _ancestors(node):
     while node.parent is not None:
         node = node.parent
         yield node
+
+
+def console_line(site, command):
+    """A command of a console block as the centre's users type it; None drops the line."""
+    if re.fullmatch(r"module load python/\S+", command):
+        modules = site.get("modules.python")
+        return f"module load {' '.join(modules)}" if modules else None
+    if command == "source ~/venvs/pytorch/bin/activate":
+        return f"source {site.get('environment.venv')}/bin/activate"
+    if site.scheduler == "slurm" and command.startswith("salloc "):
+        gpus = re.search(r" --gpus-per-node=(\d+)", command)
+        if gpus:  # an interactive GPU session: the site's request, account, partition, rules
+            command = command.replace(gpus[0], " " + site.gpu_request(gpus[1]))
+            extra = [f"--{option}={value}" for option, key in (("account", "account"),
+                     ("qos", "qos"), ("partition", "gpu_partition"))
+                     if (value := site.get(f"scheduler.{key}"))]  # fmt: skip
+            extra += site.get("scheduler.directives", []) + site.get("scheduler.gpu_directives", [])
+            command = " ".join([command, *extra])
+        return command
+    if site.scheduler == "gridengine" and command.startswith("qrsh "):
+        gpus = re.search(r" -l gpu=(\d+)", command)
+        pe = re.search(r" -pe smp (\d+)", command)
+        if gpus:
+            whole = site.get("scheduler.node_resource")
+            if whole and int(gpus[1]) == site.get("scheduler.gpus_per_node"):
+                request = whole.replace("{nodes}", "1")
+            else:
+                request = site.gpu_request(gpus[1])
+            command = command.replace(gpus[0], " " + request)
+        if pe:
+            name = site.get("scheduler.parallel_environment")
+            command = command.replace(pe[0], f" -pe {name} {pe[1]}" if name else "")
+        extra = [f"{option} {value}" for option, key in (("-q", "gpu_partition" if gpus else
+                 "cpu_partition"), ("-P", "account"), ("-g", "group"))
+                 if (value := site.get(f"scheduler.{key}"))]  # fmt: skip
+        extra += site.get("scheduler.directives", [])
+        extra += site.get("scheduler.gpu_directives" if gpus else "scheduler.cpu_directives", [])
+        return " ".join([command, *extra])
+    return command
+
+
+class EditionConsole(SphinxTransform):
+    """Console blocks of the pages (not included files) as the centre's users type them: its
+    modules, its venv, its interactive GPU session (salloc, qrsh)."""
+
+    default_priority = 210
+
+    def apply(self):
+        if SITE is None:
+            return
+        for block in self.document.findall(nodes.literal_block):
+            if block.get("language") != "console" or block.get("source"):
+                continue
+            lines = []
+            for line in block.astext().split("\n"):
+                prompt = re.match(r"^((?:\(\S+\) )?\[[^\]]*\]\$ |\$ )(.*)$", line)
+                if prompt is None:
+                    lines.append(line)
+                    continue
+                command = console_line(SITE, prompt[2])
+                if command is not None:
+                    lines.append(prompt[1] + command)
+            text = "\n".join(lines)
+            if text != block.astext():
+                block.rawsource = text
+                block.children = [nodes.Text(text)]
 
 
 def job_scripts_of_the_centre(examples):
@@ -162,4 +240,5 @@ def setup(app):
     app.add_directive("literalinclude", EditionLiteralInclude, override=True)
     app.add_transform(EditionDownloads)
     app.add_transform(EditionLeavesOut)
+    app.add_transform(EditionConsole)
     return {"version": "1.0", "parallel_read_safe": True, "parallel_write_safe": True}

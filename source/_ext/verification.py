@@ -235,7 +235,7 @@ def centre_note():
     facts = [
         fill(
             _("GPU jobs go to {partition}"),
-            partition=code(text=site.get("scheduler.gpu_partition")),
+            partition=code(text=site.get("scheduler.gpu_partition") or _("the default")),
         ),
         fill(
             _("CPU jobs to {partition}"),
@@ -251,6 +251,8 @@ def centre_note():
         facts.append(fill(_("the modules are {modules}"),
                           modules=code(text=" ".join(site.get("modules.python")))))  # fmt: skip
     facts.append(fill(_("the venv is {venv}"), venv=code(text=site.get("environment.venv"))))
+    if site.get("environment.conda") is False:
+        facts.append([nodes.Text(_("conda is not allowed there"))])
     if site.get("storage.data"):
         facts.append(
             fill(_("shared datasets are in {data}"), data=code(text=site.get("storage.data")))
@@ -261,8 +263,9 @@ def centre_note():
     paragraph += nodes.Text(_(". "))  # after the last choice
     paragraph += nodes.Text(
         _(
-            "The site-specific blocks of the job scripts on this page are filled in with these "
-            "choices."
+            "The site-specific blocks of its job scripts on this page are filled in with these "
+            "choices, and its stamp covers them; the project's stamp covers the generic scripts "
+            "they are made from, and the scripts of the other scheduler, which stay generic."
         )
     )
     return paragraph
@@ -289,14 +292,26 @@ def source_line(env, config, path, block):
         reftarget=os.path.relpath(path, docdir), refdoc=env.docname, refexplicit=True,
         refdomain="", reftype="download",
     )  # fmt: skip
-    folder = f"{config.repository_url.rstrip('/')}/tree/main/examples/{path.parent.name}"
+    # The folder in the repository: the centre's own copy in its edition, where it has one. A
+    # file that the edition fills in has no folder in the project's repository.
+    base = config.repository_url
+    site = site_edition.SITE
+    if site is not None and path != site_edition.generic_path(path):
+        base = site.get("centre.repository")
+        changed = path.read_bytes() != site_edition.generic_path(path).read_bytes()
+        if not base and not changed:
+            base = config.repository_url
+    folder = f"{base.rstrip('/')}/tree/main/examples/{path.parent.name}" if base else None
     repository = nodes.reference("", "", nodes.Text(_("the folder in the repository")),
                                  refuri=folder)  # fmt: skip
-    template = (
-        _("{file}: {download} · {repository}")
-        if whole
-        else _("An excerpt of {file}: {download} · {repository}")
-    )
+    if folder is None:
+        template = _("{file}: {download}") if whole else _("An excerpt of {file}: {download}")
+    else:
+        template = (
+            _("{file}: {download} · {repository}")
+            if whole
+            else _("An excerpt of {file}: {download} · {repository}")
+        )
     paragraph = nodes.paragraph(classes=["example-source"])
     paragraph.extend(fill(template, file=nodes.literal(text=name), download=download,
                           repository=repository))  # fmt: skip
