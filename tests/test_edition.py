@@ -506,6 +506,7 @@ SCHEDULER_KEYS = {  # a key of one scheduler in the other's site file
     ("slurm", "scheduler.cpu_resource"): "-l rt_C.small=1",
     ("slurm", "scheduler.parallel_environment"): "smp",
     ("gridengine", "scheduler.qos"): "normal",
+    ("gridengine", "scheduler.per_gpu"): True,
 }
 
 
@@ -521,9 +522,9 @@ def test_directives_take_the_form_of_the_sites_scheduler(tmp_path):
         load(minimal(tmp_path, **{"scheduler.gpu_directives": ["-C gpu"]}))
     with pytest.raises(SiteFileError, match=r"scheduler.directives must be gridengine options"):
         load(minimal(tmp_path, "gridengine", **{"scheduler.directives": ["--constraint=gpu"]}))
-    with pytest.raises(
-        SiteFileError, match="node_resource and scheduler.gpus_per_node go together"
-    ):
+    with pytest.raises(SiteFileError, match="per_gpu needs scheduler.cores_per_gpu and"):
+        load(minimal(tmp_path, **{"scheduler.per_gpu": True}))
+    with pytest.raises(SiteFileError, match="node_resource and scheduler.gpus_per_node go tog"):
         load(minimal(tmp_path, "gridengine", **{"scheduler.node_resource": "-l rt_F={nodes}"}))
 
 
