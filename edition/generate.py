@@ -181,7 +181,7 @@ def _assign(key, template, keep_when=None):
 
 
 def _cuda(ctx, m, comment, col):
-    """The CUDA toolkit's module; CUDA_MODULE="" where a site has none (nvcc from the venv)."""
+    """The CUDA toolkit's module; CUDA_MODULE="" where a site has none (nvcc from PATH)."""
     value = ctx.site.get("modules.cuda")
     if value is None:
         return None
@@ -316,7 +316,7 @@ def fill_block(ctx, name, lineno, lines):
             "export SLURM_CPUS_PER_TASK=${SLURM_CPUS_PER_TASK:-$((SLURM_CPUS_PER_GPU * "
             f"{ctx.gpus} / {ctx.tasks}))}}  # site.toml: scheduler.per_gpu"
         )
-        out.append("unset SLURM_CPUS_PER_GPU     # srun -c and --cpus-per-gpu exclude each other")
+        out.append("unset SLURM_CPUS_PER_GPU     # else srun reads it: its cores come from -c")
     if ctx.site.scheduler == "gridengine" and any(line.startswith("#$ ") for line in lines):
         last = max((i for i, line in enumerate(out) if line.startswith("#$ ")),
                    default=len(out) - 1)  # fmt: skip
