@@ -78,12 +78,6 @@ class Context:
         """True when the job asks for its cores with --cpus-per-gpu (scheduler.per_gpu)."""
         return bool(self.site.get("scheduler.per_gpu") and self.gpus)
 
-    def directives(self):
-        """(key, directive) of the site's directives for every job and for this job's kind."""
-        kind = "gpu_directives" if self.gpu_job else "cpu_directives"
-        return [(key, item) for key in ("directives", kind)
-                for item in self.site.get(f"scheduler.{key}", [])]  # fmt: skip
-
     @property
     def partition(self):
         key = "gpu_partition" if self.gpu_job else "cpu_partition"
@@ -108,7 +102,7 @@ def _account(ctx, m, comment, col):
         if value := ctx.site.get(f"scheduler.{key}"):
             lines.append(with_comment(f"#SBATCH {option}={value}", f"# site.toml: scheduler.{key}",
                                       col))  # fmt: skip
-    for key, directive in ctx.directives():
+    for key, directive in ctx.site.directives(ctx.gpu_job):
         lines.append(with_comment(f"#SBATCH {directive}", f"# site.toml: scheduler.{key}", col))
     return lines
 
@@ -122,9 +116,6 @@ def _partition(ctx, m, comment, col):
 
 def _gpus(ctx, m, comment, col):
     if ctx.site.scheduler == "gridengine":  # Grid Engine reads a comment as more options
-        whole = ctx.site.get("scheduler.node_resource")
-        if whole and int(m["n"]) == ctx.site.get("scheduler.gpus_per_node"):
-            return [f"#$ {whole.replace('{nodes}', '1')}"]  # every GPU of one node
         return [f"#$ {ctx.site.gpu_request(m['n'])}"]
     return [
         with_comment(f"#SBATCH {ctx.site.gpu_request(m['n'])}", "# site.toml: scheduler.gpus", col)
@@ -325,7 +316,7 @@ def fill_block(ctx, name, lineno, lines):
         for key, option in (("account", "-P"), ("group", "-g")):
             if value := ctx.site.get(f"scheduler.{key}"):
                 extra.append(f"#$ {option} {value}")
-        extra += [f"#$ {directive}" for _key, directive in ctx.directives()]
+        extra += [f"#$ {directive}" for _key, directive in ctx.site.directives(ctx.gpu_job)]
         out[last + 1 : last + 1] = extra
     return out
 

@@ -289,7 +289,18 @@ class Site:
         return re.sub(r"[^\w.-]", "-", self.path.name.removesuffix(".toml"))
 
     def gpu_request(self, count):
+        """How a job asks for count GPUs per node: at a Grid Engine site with a whole-node
+        resource, a job that asks for every GPU of a node asks for the node."""
+        whole = self.get("scheduler.node_resource")
+        if whole and str(count) == str(self.get("scheduler.gpus_per_node")):
+            return whole.replace("{nodes}", "1")
         return self.get("scheduler.gpus").replace("{n}", str(count))
+
+    def directives(self, gpu_job):
+        """(key, directive) of the site's directives for every job and for a job of this kind."""
+        kind = "gpu_directives" if gpu_job else "cpu_directives"
+        return [(key, item) for key in ("directives", kind)
+                for item in self.get(f"scheduler.{key}", [])]  # fmt: skip
 
 
 def load(path):

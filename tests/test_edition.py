@@ -470,7 +470,7 @@ def test_a_centres_own_directives_go_into_its_jobs_by_kind(editions):
         assert ("#SBATCH --constraint=cpu " in text) != gpu_job, name
 
 
-def test_a_site_without_modules_cuda_module_or_conda(editions):
+def test_a_site_without_modules_cuda_module_or_conda(editions, tmp_path):
     """Centre 2: no module line anywhere, CUDA_MODULE="" (nvcc from PATH), no conda files."""
     site, folder, _changed = editions["h100-no-modules"]
     texts = {p.relative_to(folder).as_posix(): p.read_text() for p in folder.rglob("*")
@@ -480,8 +480,12 @@ def test_a_site_without_modules_cuda_module_or_conda(editions):
         assert re.search(r'^CUDA_MODULE="" ', texts[name], re.M), name
     assert omitted(site) == set(CONDA_FILES)
     assert not [name for name in CONDA_FILES if (folder / name).exists()]
-    plan = site_check.load_checks("slurm")
-    assert "install/check_pytorch_conda.sbatch" in plan  # the plan of a site that allows conda
+    # site-check submits no conda job there; the template's plan (conda allowed) has one.
+    for name, conda_job in (("h100-no-modules", False), ("template", True)):
+        proc = run([sys.executable, EDITION / "site_check.py", SITES[name], "--dry-run",
+                    "--work-dir", tmp_path / name], cwd=ROOT)  # fmt: skip
+        assert ("install/check_pytorch_conda.sbatch:" in proc.stdout) == conda_job, proc.stdout
+        assert "first-job/check_pytorch.sbatch:" in proc.stdout
 
 
 def test_a_resource_type_site_asks_for_gpus_nodes_and_cpus_its_way(editions):

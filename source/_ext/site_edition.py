@@ -162,27 +162,21 @@ def console_line(site, command):
             extra = [f"--{option}={value}" for option, key in (("account", "account"),
                      ("qos", "qos"), ("partition", "gpu_partition"))
                      if (value := site.get(f"scheduler.{key}"))]  # fmt: skip
-            extra += site.get("scheduler.directives", []) + site.get("scheduler.gpu_directives", [])
+            extra += [directive for _key, directive in site.directives(gpu_job=True)]
             command = " ".join([command, *extra])
         return command
     if site.scheduler == "gridengine" and command.startswith("qrsh "):
         gpus = re.search(r" -l gpu=(\d+)", command)
         pe = re.search(r" -pe smp (\d+)", command)
         if gpus:
-            whole = site.get("scheduler.node_resource")
-            if whole and int(gpus[1]) == site.get("scheduler.gpus_per_node"):
-                request = whole.replace("{nodes}", "1")
-            else:
-                request = site.gpu_request(gpus[1])
-            command = command.replace(gpus[0], " " + request)
+            command = command.replace(gpus[0], " " + site.gpu_request(gpus[1]))
         if pe:
             name = site.get("scheduler.parallel_environment")
             command = command.replace(pe[0], f" -pe {name} {pe[1]}" if name else "")
         extra = [f"{option} {value}" for option, key in (("-q", "gpu_partition" if gpus else
                  "cpu_partition"), ("-P", "account"), ("-g", "group"))
                  if (value := site.get(f"scheduler.{key}"))]  # fmt: skip
-        extra += site.get("scheduler.directives", [])
-        extra += site.get("scheduler.gpu_directives" if gpus else "scheduler.cpu_directives", [])
+        extra += [directive for _key, directive in site.directives(gpu_job=bool(gpus))]
         return " ".join([command, *extra])
     return command
 
