@@ -36,14 +36,17 @@ from sitefile import SiteFileError, load  # noqa: E402
 
 CHECKS = Path(__file__).resolve().parent / "checks.toml"
 SUFFIX = {"slurm": ".sbatch", "gridengine": ".qsub"}
-CHECK_KEYS = {"files", "prepare", "args", "options", "env", "after", "expect", "server",
-              "root_args"}  # fmt: skip
+CHECK_KEYS = {"files", "prepare", "args", "gpu_args", "options", "env", "after", "expect",
+              "server", "root_args"}  # fmt: skip
 SLURM_DONE = {"COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "OUT_OF_MEMORY", "NODE_FAIL",
               "PREEMPTED", "BOOT_FAIL", "DEADLINE"}  # fmt: skip
 # Variables a reader's login environment may set and the job scripts read: qsub passes them
 # on with -v (sbatch passes the whole environment).
 PASSED_ON = ("VENV", "CONDA_ENV", "MODULEPATH", "SHARDS")
 LOG_LINES = 15
+# The line each process of the examples prints once it runs on a GPU: the GPU's UUID (or, from
+# LibTorch, its index), its model, the node. A GPU counts once however many processes share it.
+GPU_IN_USE = re.compile(r"GPU in use: (\S+)(?: \(([^)\n]*)\))? on (\S+)")
 
 
 class CheckError(Exception):
@@ -94,10 +97,24 @@ class Job:
         self.cancelled_by_us = False
 
 
+def asks_for_the_gpu(site, job):
+    """Whether the job is run with its gpu_args: a GPU job where PyTorch is a GPU build."""
+    return bool(job.settings.get("gpu_args")) and site.get("pytorch.build") != "cpu"
+
+
+def gpus_used(log):
+    """(how many GPUs the job's output says ran, their model or None), from GPU_IN_USE lines."""
+    found = GPU_IN_USE.findall(log)
+    models = [model for _, model, _ in found if model]
+    return len({(gpu, node) for gpu, _, node in found}), models[0] if models else None
+
+
 def command_for(site, job):
     """The submission command, run in the job's folder."""
     script = Path(job.name).name
     args = list(job.settings.get("args", []))
+    if asks_for_the_gpu(site, job):
+        args[:0] = job.settings["gpu_args"]
     if os.geteuid() == 0:
         args += job.settings.get("root_args", [])
     options = list(job.settings.get("options", []))
@@ -221,22 +238,30 @@ def judge(site, job, records):
             (r.get("JobState"), r.get("ExitCode")) == ("COMPLETED", "0:0") for r in records
         )
         nodes = sorted({r.get("NodeList", "") for r in records} - {"", "(null)"})
-        gpus = max((slurm_gpus(r) for r in records), default=0)
-        job.info = {"state": ", ".join(states) or "gone", "nodes": ",".join(nodes), "gpus": gpus}
+        given = max((slurm_gpus(r) for r in records), default=0)
+        job.info = {"state": ", ".join(states) or "gone", "nodes": ",".join(nodes)}
     else:
         ok = records and all((r.get("failed"), r.get("exit_status")) == ("0", "0") for r in records)
         states = sorted({f"exit_status {r.get('exit_status')}, failed {r.get('failed')}"
                          for r in records})  # fmt: skip
         nodes = sorted({r.get("hostname", "") for r in records} - {""})
-        gpus = max((gridengine_gpus(site, r) for r in records), default=0)
-        job.info = {"state": "; ".join(states), "nodes": ",".join(nodes), "gpus": gpus}
+        given = max((gridengine_gpus(site, r) for r in records), default=0)
+        job.info = {"state": "; ".join(states), "nodes": ",".join(nodes)}
+    # The stamp counts the GPUs that ran, from the job's own output, not what it was given.
+    used, model = gpus_used(job.log)
+    job.info.update(gpus=used, gpus_given=given, gpu_model=model)
     if job.settings.get("server"):
         ok = not missing  # cancelled by us once it served
-    if ok and not missing:
+    no_gpu = ok and not missing and asks_for_the_gpu(site, job) and used == 0
+    if ok and not missing and not no_gpu:
         job.outcome = "passed"
     else:
         job.outcome = "failed"
-        job.message = f"its output lacks {missing[0]!r}" if ok else job.info["state"]
+        job.message = (
+            job.info["state"] if not ok
+            else f"its output lacks {missing[0]!r}" if missing
+            else "it was given the GPU but its output names none that ran ('GPU in use:')"
+        )  # fmt: skip
 
 
 def cancel(site, ids):
@@ -313,6 +338,8 @@ def report(jobs):
         where = f"job {job.job_id}" if job.job_id else "not submitted"
         if job.info.get("nodes"):
             where += f" on {job.info['nodes']}"
+        if job.info.get("gpus"):
+            where += f", {job.info['gpus']} GPU(s) ran"
         print(f"{job.outcome:8} {name}  ({where}, {job.seconds:.0f} s)")
         if job.outcome != "passed":
             print(f"         {job.message}")

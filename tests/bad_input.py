@@ -1,8 +1,9 @@
 """Run one example script many times in one process with bad input, and report what it did.
 
-Used by tests/test_bad_input.py: `python tests/bad_input.py args|env SCRIPT...` prints a JSON
-object that gives, for each script, its list of cases (each with the command line or environment
-tried, the exit code, and what the script printed) or the error that stopped the harness. A script
+Used by tests/test_bad_input.py: `python tests/bad_input.py args|env|gpus SCRIPT...` prints
+a JSON object that gives, for each script, its list of cases (each with the command line or
+environment tried, the exit code, and what the script printed) or the error that stopped the
+harness. A script
 runs its own code (runpy, as `python SCRIPT` would) in a process forked for it from this one,
 which imported torch before the first: the suite pays for `import torch` once per mode, not once
 per case or per script, and each script still starts from a clean process. With one script, it
@@ -17,6 +18,8 @@ caller made.
   "abc", with the other variables of its launcher set to valid values. The run stops where the
   script would start its work (a process group, a store, a data loader, a forward pass): a case
   that gets there is "accepted".
+- `gpus`: every script with `--device auto` runs in a job given GPUs, then with `--device cuda`;
+  the caller runs the harness where a GPU device file exists (tests/test_bad_input.py).
 """
 
 import argparse
@@ -233,9 +236,51 @@ def env_cases(script):
     return cases
 
 
+# What a script needs to get as far as choosing its device, beside TORCHRUN's variables: more
+# options, more variables, files in its folder.
+TWO_STAGES = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+DEVICE_SETUP = {
+    "compile_cache.py": {"env": {"TORCHINDUCTOR_CACHE_DIR": "inductor"}},
+    "deepspeed_train.py": {"argv": ["--config", "ds_zero3.json"], "files": ["ds_zero3.json"]},
+    "pipeline.py": {"env": TWO_STAGES},
+    "pipeline_ddp.py": {"env": TWO_STAGES},
+    "train_shards.py": {"files": ["shards/shard-000000.tar", "shards/classes.txt"]},
+}
+
+
+def gpu_cases(script):
+    """--device auto in a job given GPUs (SLURM_JOB_GPUS=0) on a node with a GPU device file (the
+    caller runs the harness where /dev/nvidia0 exists), then --device cuda: where PyTorch can use
+    no GPU, each must stop in one line before any work starts."""
+    parser = find_parser(script)
+    table = options(parser)
+    setup = DEVICE_SETUP.get(Path(script).name, {})
+    argv = list(setup.get("argv", []))
+    for flag, value in (("--fake-data", None), ("--epochs", "1")):
+        if any(name == flag for name, *_ in table):
+            argv += [flag] if value is None else [flag, value]
+    for name in setup.get("files", []):  # a copy of the script's own file, or an empty one
+        Path(name).parent.mkdir(parents=True, exist_ok=True)
+        source = Path(script).parent / name
+        Path(name).write_bytes(source.read_bytes() if source.is_file() else b"")
+    choices = next(a.choices for a in parser._actions if "--device" in a.option_strings)
+    stop_at_the_work()
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith(("SLURM_", "SGE_")) and k != "CUDA_VISIBLE_DEVICES"}  # fmt: skip
+    cases = []
+    tries = [("auto", {"SLURM_JOB_GPUS": "0"}), ("cuda", {})]
+    for device, given in [(device, given) for device, given in tries if device in choices]:
+        os.environ.clear()
+        os.environ.update({**clean, **TORCHRUN, **setup.get("env", {}), **given})
+        code, out, err = run_script(script, [*argv, "--device", device])
+        cases.append({"device": device, "argv": [*argv, "--device", device], "code": code,
+                      "stdout": out, "stderr": err})  # fmt: skip
+    return cases
+
+
 def cases_of(script, mode):
     A_FILE.write_text("not a folder\n")
-    return args_cases(script) if mode == "args" else env_cases(script)
+    return {"args": args_cases, "env": env_cases, "gpus": gpu_cases}[mode](script)
 
 
 def in_a_child(script, mode, folder, seconds=120):
@@ -273,8 +318,8 @@ def describe(status):
 def main():
     mode, names = sys.argv[1], sys.argv[2:]
     scripts = [Path(name).resolve() for name in names]
-    if mode not in ("args", "env") or not scripts:
-        raise SystemExit("usage: bad_input.py args|env SCRIPT...")
+    if mode not in ("args", "env", "gpus") or not scripts:
+        raise SystemExit("usage: bad_input.py args|env|gpus SCRIPT...")
     import torch  # noqa: F401, PLC0415 (once here, for every forked child)
     import torch.distributed  # noqa: F401, PLC0415
 

@@ -371,6 +371,41 @@ def path_without(command, path):
     )
 
 
+# A GPU node as the scripts see it, for a command: in a private mount namespace, /dev is a
+# folder that holds the real null, zero, full, random, urandom and shm, and an empty nvidia0.
+GPU_NODE = """set -e
+dev=$1
+shift
+for name in null zero full random urandom; do
+    : > "$dev/$name"
+    mount --bind "/dev/$name" "$dev/$name"
+done
+mkdir "$dev/shm"
+mount --bind /dev/shm "$dev/shm"
+ln -s /proc/self/fd "$dev/fd"
+: > "$dev/nvidia0"
+mount --rbind "$dev" /dev
+exec "$@"
+"""
+
+
+def on_a_gpu_node(command, folder):
+    """command, run where /dev/nvidia0 exists and no GPU is behind it (a node whose driver or
+    PyTorch build cannot serve it); skips, saying why, where no mount namespace can be made or
+    where PyTorch can use a real GPU."""
+    if HAS_CUDA:
+        pytest.skip("PyTorch can use a GPU here: the stand-in GPU node needs one where it cannot")
+    unshare = ["unshare", "--mount", "--propagation", "private"]
+    if os.geteuid() != 0:
+        unshare[1:1] = ["--user", "--map-root-user"]
+    probe = subprocess.run([*unshare, "true"], capture_output=True, text=True, check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"no private mount namespace here ({probe.stderr.strip()}): run as root")
+    dev = folder / "dev"
+    dev.mkdir()
+    return [*unshare, "sh", "-c", GPU_NODE, "sh", str(dev), *(str(part) for part in command)]
+
+
 def require_command(name, how):
     if shutil.which(name) is None:
         pytest.skip(f"{name} is not installed: {how}")

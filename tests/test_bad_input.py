@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from bad_input import NUMERIC_VARIABLES, named_variables
 
-from conftest import EXAMPLES, TESTS, TORCHRUN, example_env, free_port, run
+from conftest import EXAMPLES, TESTS, TORCHRUN, example_env, free_port, on_a_gpu_node, run
 
 SCRIPTS = sorted(EXAMPLES.rglob("*.py"))
 IDS = [str(path.relative_to(EXAMPLES)) for path in SCRIPTS]
@@ -43,8 +43,11 @@ def harness(folder, mode, scripts):
         (each / "checkpoints").mkdir(parents=True)
         (each / "checkpoints" / "checkpoint.pt").write_bytes(b"a reader's checkpoint")
     before = checksums(folders[0] / "checkpoints")
+    command = [sys.executable, HARNESS, mode, *scripts]
+    if mode == "gpus":
+        command = on_a_gpu_node(command, folder)
     proc = subprocess.run(
-        [sys.executable, HARNESS, mode, *scripts],
+        command,
         cwd=folder, env=example_env(), capture_output=True, text=True, timeout=900, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, (
@@ -67,7 +70,7 @@ def harnessed(tmp_path_factory):
 
     def cases(mode, script):
         if mode not in runs:
-            scripts = SCRIPTS if mode == "args" else ENV_SCRIPTS
+            scripts = {"args": SCRIPTS, "env": ENV_SCRIPTS, "gpus": GPU_SCRIPTS}[mode]
             runs[mode] = harness(tmp_path_factory.mktemp(f"bad-{mode}"), mode, scripts)
         result = runs[mode][script]
         if "error" in result:
@@ -138,6 +141,28 @@ def test_variables_that_are_not_numbers_are_named(harnessed, script):
     assert not any(case["problems"] for case in cases), report(script, cases, "variable")
 
 
+# Scripts that choose their device (--device auto, cpu, cuda, or some of them). Horovod's is
+# tried in tests/test_horovod.py, where Horovod is installed.
+GPU_SCRIPTS = [path for path in SCRIPTS if '"--device"' in path.read_text(encoding="utf-8")
+               and path.name != "horovod_train.py"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "script", GPU_SCRIPTS, ids=[str(p.relative_to(EXAMPLES)) for p in GPU_SCRIPTS]
+)
+def test_a_job_given_gpus_that_pytorch_cannot_use_stops_in_one_line(harnessed, script):
+    """On a node with a GPU device file (a stand-in /dev/nvidia0) and a PyTorch that can use no
+    GPU there (this CPU build; on a cluster, a CUDA build newer than the driver): --device auto
+    in a job given GPUs (SLURM_JOB_GPUS=0) and --device cuda each end in one line, exit non-zero,
+    before any work starts; never a run on the CPU."""
+    cases = harnessed("gpus", script)
+    assert [case["device"] for case in cases][-1] == "cuda", cases
+    for case in cases:
+        name = "SLURM_JOB_GPUS=0" if case["device"] == "auto" else "GPU"
+        case["problems"] = problems_of(case, name, lambda code: isinstance(code, int) and code != 0)
+    assert not any(case["problems"] for case in cases), report(script, cases, "device")
+
+
 def test_the_harness_sees_a_script_that_does_not_check(tmp_path):
     """The derived cases can fail: a script with a bare int option, a bare Path option and an
     unchecked variable is caught on each of them."""
@@ -161,6 +186,26 @@ def test_the_harness_sees_a_script_that_does_not_check(tmp_path):
     env = one(work, "env", script)
     assert [case["variable"] for case in env] == ["RANK"]
     assert env[0]["code"] == "traceback" and "ValueError" in env[0]["stderr"]
+
+
+def test_the_harness_sees_a_script_that_falls_back_to_the_cpu(tmp_path):
+    """The GPU node case can fail: a script whose --device auto takes the CPU when PyTorch sees
+    no GPU, whatever the job was given, gets as far as its first forward pass."""
+    script = tmp_path / "fallback.py"
+    script.write_text(
+        "import argparse, torch\n"
+        "parser = argparse.ArgumentParser()\n"
+        "parser.add_argument('--device', choices=['auto', 'cpu'], default='auto')\n"
+        "args = parser.parse_args()\n"
+        "device = 'cuda' if torch.cuda.is_available() else 'cpu'\n"
+        "torch.nn.Linear(2, 2).to(device)(torch.zeros(2, device=device))\n"
+    )
+    work = tmp_path / "work"
+    work.mkdir()
+    cases = one(work, "gpus", script)
+    assert [(case["device"], case["code"]) for case in cases] == [
+        ("auto", "accepted: a forward pass")
+    ]
 
 
 # Ctrl-C: every script ends it with one line; a script that checkpoints saves first.

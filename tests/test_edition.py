@@ -9,6 +9,7 @@ import json
 import re
 import sys
 import tomllib
+from pathlib import Path
 
 import pytest
 from recorded import check_recorded
@@ -438,6 +439,70 @@ def test_site_check_counts_a_grid_engine_jobs_gpus_by_the_sites_resource(
 ):
     site = load(minimal(tmp_path, "gridengine", **{"scheduler.gpus": gpus}))
     assert site_check.gridengine_gpus(site, {"category": category}) == count
+
+
+# What GPU jobs print (announce_gpu in the examples): each process its GPU's UUID, model and
+# node; ranks that share a GPU (MPS) name it twice; horovodrun puts its prefix before the line;
+# LibTorch names the index.
+GPU_LOG = """Job 42: 8 processes on g[1-2]
+GPU in use: 5e1d2c3a-0000-4000-8000-000000000001 (NVIDIA H100 80GB HBM3) on g1
+GPU in use: 5e1d2c3a-0000-4000-8000-000000000002 (NVIDIA H100 80GB HBM3) on g1
+[1]<stdout>:GPU in use: 5e1d2c3a-0000-4000-8000-000000000003 (NVIDIA H100 80GB HBM3) on g2
+GPU in use: 5e1d2c3a-0000-4000-8000-000000000003 (NVIDIA H100 80GB HBM3) on g2
+GPU in use: cuda:0 on g3
+epoch 1: loss 2.2871, 5120 images/s
+"""
+
+
+def test_site_check_counts_the_gpus_that_the_jobs_output_says_ran():
+    assert site_check.gpus_used(GPU_LOG) == (4, "NVIDIA H100 80GB HBM3")
+    assert site_check.gpus_used("Result: PyTorch 2.13.0+cpu works on cpu\n") == (0, None)
+
+
+@pytest.mark.parametrize(("site", "log", "outcome", "gpus"), [
+    ("national-slurm", GPU_LOG, "passed", 4),
+    ("national-slurm", "epoch 1: loss 2.2871, 512 images/s\n", "failed", 0),  # ran on the CPU
+    ("slurm", "epoch 1: loss 2.2871, 512 images/s\n", "passed", 0),  # the tests' CPU build
+])  # fmt: skip
+def test_a_gpu_job_passes_site_check_only_when_its_output_names_a_gpu_that_ran(
+    tmp_path, site, log, outcome, gpus
+):
+    """A GPU job of a site with a GPU build is run with --device cuda and must name the GPUs it
+    ran on; the record counts those, beside the GPUs the scheduler gave (8 here)."""
+    site = load(SITES[site])
+    name = "ddp/ddp_srun.sbatch"
+    job = site_check.Job(name, site_check.load_checks("slurm")[name], tmp_path)
+    out = tmp_path / "slurm-42.out"
+    out.write_text(log)
+    record = {"JobState": "COMPLETED", "ExitCode": "0:0", "NodeList": "g[1-2]",
+              "AllocTRES": "cpu=32,gres/gpu=8", "StdOut": str(out)}  # fmt: skip
+    job.start = 0.0
+    site_check.judge(site, job, [record])
+    assert (job.outcome, job.info["gpus"], job.info["gpus_given"]) == (outcome, gpus, 8)
+    command = site_check.command_for(site, job)
+    assert ("--device" in command) == (site.get("pytorch.build") != "cpu"), command
+    if outcome == "failed":
+        assert job.message == (
+            "it was given the GPU but its output names none that ran ('GPU in use:')"
+        )
+
+
+def test_every_gpu_job_of_site_check_asks_for_the_gpu():
+    """Each GPU job whose program has a --device option gets gpu_args; a server (Jupyter) is
+    judged by what it serves."""
+    checks = tomllib.loads((EDITION / "checks.toml").read_text(encoding="utf-8"))
+    sites = {".sbatch": load(CENTRE_SITES["national-slurm"]),
+             ".qsub": load(CENTRE_SITES["abci-gridengine"])}  # fmt: skip
+    missing = []
+    for name, settings in checks.items():
+        site = sites[Path(name).suffix]
+        gpu_job = Context(site, (EXAMPLES / name).read_text()).gpu_job
+        programs = [EXAMPLES / f for f in settings.get("files", []) if f.endswith((".py", ".cpp"))]
+        chooses = any("--device" in p.read_text(encoding="utf-8") for p in programs)
+        if gpu_job and chooses and not settings.get("server"):
+            if settings.get("gpu_args") != ["--device", "cuda"]:
+                missing.append(name)
+    assert missing == []
 
 
 def test_site_check_reads_the_versions_and_the_gpu_from_check_pytorchs_output():

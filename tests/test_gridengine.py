@@ -182,7 +182,9 @@ def test_site_check_runs_every_job_script_of_the_cell_and_records_it(cell_env, t
         assert entry["tests"]["site-check"][0] == "passed", (name, entry)
         assert entry["state"] == "exit_status 0, failed 0" and entry["nodes"], (name, entry)
         assert entry["edition_sha256"] != entry["sha256"], name  # the cell's own version ran
-    assert entries["first-job/check_pytorch.qsub"]["gpus"] == 1
+    # Given one GPU, ran on none: the cell's GPUs are not real and its PyTorch is a CPU build.
+    assert (entries["first-job/check_pytorch.qsub"]["gpus_given"],
+            entries["first-job/check_pytorch.qsub"]["gpus"]) == (1, 0)  # fmt: skip
     assert entries["arrays/sweep.qsub"]["torch"].split("+")[0] == VERSIONS["cpu"]["torch"]
     assert entries["arrays/sweep.qsub"]["scheduler"]
     built = tmp_path / "html"

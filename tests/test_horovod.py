@@ -26,6 +26,7 @@ from conftest import (
     copy_example,
     epoch_losses,
     example_env,
+    on_a_gpu_node,
     path_without,
     run,
     without_cuda_module,
@@ -123,6 +124,21 @@ def test_without_a_gpu_it_says_how_to_request_one(horovod_venv, tmp_path):
         "per process (#SBATCH --gpus-per-node equal to --ntasks-per-node)\n" in proc.stderr
     )
     assert "Process 0 exit with status code 2." in proc.stdout
+
+
+def test_a_job_given_gpus_that_pytorch_cannot_use_stops_in_one_line(horovod_venv, tmp_path):
+    """tests/test_bad_input.py's GPU node case, where Horovod is installed: --device auto in a
+    job given GPUs, on a node with a GPU device file, stops rather than train on the CPU."""
+    venv, _, _ = horovod_venv
+    cmd = on_a_gpu_node(["horovodrun", "-np", "1", "-H", "localhost:1", "--gloo", "python", TRAIN,
+                         "--device", "auto", "--fake-data"], tmp_path)  # fmt: skip
+    proc = run(cmd, cwd=tmp_path, env=activated(venv, SLURM_JOB_GPUS="0"), expect_rc=1)
+    assert (
+        "[0]<stderr>:horovod_train.py: error: this job was given GPUs (SLURM_JOB_GPUS=0) but "
+        "PyTorch " in proc.stderr
+    ), proc.stderr
+    assert "Process 0 exit with status code 2." in proc.stdout
+    assert "<stderr>:Traceback" not in proc.stderr  # horovodrun's own one follows any failure
 
 
 def test_without_data_it_says_how_to_fetch_it(horovod_venv, tmp_path):

@@ -1,5 +1,6 @@
 """examples/install/: check_pytorch.py, make_venv.sh, make_conda_env.sh and environment.yml."""
 
+import re
 import sys
 
 import pytest
@@ -150,6 +151,7 @@ def test_check_pytorch_on_the_gpu(tmp_path):
     assert "GPU 0:" in out and "kernels in this build: yes" in out
     assert "Test product:    1024x1024 on cuda" in out
     assert "works on cuda" in out and "WARNING" not in out
+    assert re.search(r"^GPU in use: \S+ \(.+\) on \S+$", out, re.M), out  # site-check counts it
 
 
 def test_environment_yml_pins_the_verified_versions():

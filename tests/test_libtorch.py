@@ -21,6 +21,7 @@ from conftest import (
     copy_example,
     epoch_losses,
     example_env,
+    on_a_gpu_node,
     path_without,
     require_command,
     run,
@@ -209,6 +210,25 @@ def test_cuda_without_a_gpu_is_a_one_line_error(built):
     check_recorded(
         HERE / "example-no-gpu.out", transcript(("build/example --device cuda", proc.stderr))
     )
+
+
+@pytest.mark.cpp
+def test_a_job_given_gpus_that_libtorch_cannot_use_stops_in_one_line(built, tmp_path):
+    """As the Python scripts (tests/test_bad_input.py): on a node with a GPU device file, in a
+    job given GPUs, --device auto stops when LibTorch can use none; without the device file (the
+    tests' Slurm cluster's GPUs) it trains on the CPU."""
+    example = built[0] / "build" / "example"
+    cmd = on_a_gpu_node([example, "--device", "auto", "--epochs", "1"], tmp_path)
+    env = example_env(SLURM_JOB_GPUS="0")
+    proc = run(cmd, cwd=tmp_path, env=env, expect_rc=2)
+    assert re.fullmatch(
+        r"example: error: this job was given GPUs \(SLURM_JOB_GPUS=0\) but LibTorch [\d.]+ can "
+        r"use none: run check_pytorch.py in the job to see why, or pass --device cpu\n",
+        proc.stderr,
+    ), proc.stderr
+    assert "epoch 1" not in proc.stdout
+    assert "Training on cpu" in run([example, "--device", "auto", "--epochs", "1"], cwd=tmp_path,
+                                    env=env).stdout  # fmt: skip
 
 
 @pytest.mark.cpp

@@ -129,6 +129,12 @@ def fail(message):
     sys.exit(2)
 
 
+def announce_gpu(torch, device):
+    """One line per process that runs on a GPU: make site-check counts the GPUs that ran."""
+    props = torch.cuda.get_device_properties(device)
+    print(f"GPU in use: {props.uuid} ({props.name}) on {os.uname().nodename}", flush=True)
+
+
 def device_description(torch, device):
     """(device name, driver version, CUDA version) for the CSV."""
     if device.type == "cpu":
@@ -219,6 +225,8 @@ def main(argv=None):
     if args.device == "cuda" and not torch.cuda.is_available():
         fail("no GPU is visible; request one (#SBATCH --gpus-per-node=1), or pass --device cpu")
     device = torch.device(args.device)
+    if device.type == "cuda":
+        announce_gpu(torch, device)
     torch.manual_seed(args.seed)
     torch.backends.cudnn.benchmark = True  # fastest convolution kernels for the fixed shape
     name, driver, cuda = device_description(torch, device)

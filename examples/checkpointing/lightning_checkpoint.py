@@ -14,6 +14,7 @@ CheckpointIO plugin writes each file atomically (temporary file, fsync, rename).
 
 import argparse
 import contextlib
+import glob
 import math
 import os
 import signal
@@ -116,6 +117,32 @@ def fail(message):
     sys.exit(2)
 
 
+# Scheduler variables that say this job was given GPUs, and the device files of a GPU node.
+GPU_VARIABLES = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SGE_HGR_gpu", "CUDA_VISIBLE_DEVICES")
+GPU_DEVICE_FILES = ("/dev/nvidia[0-9]*", "/dev/kfd")
+
+
+def gpu_usable(torch):
+    """True when PyTorch can use a GPU. When it cannot, on a node with GPUs that the scheduler
+    gave this job (a CPU-only build, a driver older than the build's CUDA), stop in one line:
+    a job given GPUs never trains on the CPU unnoticed."""
+    if torch.cuda.is_available():
+        return True
+    unset = ("", "(null)", "-1", "NoDevFiles")  # "0" is a GPU: the first
+    given = [name for name in GPU_VARIABLES if os.environ.get(name, "").strip() not in unset]
+    if given and any(glob.glob(pattern) for pattern in GPU_DEVICE_FILES):
+        fail(f"this job was given GPUs ({given[0]}={os.environ[given[0]]}) but PyTorch "
+             f"{torch.__version__} can use none: run check_pytorch.py in the job to see why, "
+             "or pass --device cpu")  # fmt: skip
+    return False
+
+
+def announce_gpu(torch, device):
+    """One line per process that runs on a GPU: make site-check counts the GPUs that ran."""
+    props = torch.cuda.get_device_properties(device)
+    print(f"GPU in use: {props.uuid} ({props.name}) on {os.uname().nodename}", flush=True)
+
+
 def make_dataset(args):
     if args.fake_data:
         generator = torch.Generator().manual_seed(args.seed)
@@ -202,6 +229,8 @@ class EpochReport(L.Callback):
 
     def on_train_start(self, trainer, module):
         self.start, self.images = time.perf_counter(), 0  # a resumed run may start mid-epoch
+        if module.device.type == "cuda":
+            announce_gpu(torch, module.device)
         if trainer.ckpt_path:  # the loops are restored by now
             print(f"resumed from {trainer.ckpt_path} at epoch {trainer.current_epoch + 1}, "
                   f"step {trainer.global_step}")  # fmt: skip
@@ -225,7 +254,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda but no GPU is visible: request one with #SBATCH --gpus-per-node=1")
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    use_cuda = args.device == "cuda" or (args.device == "auto" and gpu_usable(torch))
     L.seed_everything(args.seed, verbose=False)
     loader = torch.utils.data.DataLoader(
         make_dataset(args),

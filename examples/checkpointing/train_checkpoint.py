@@ -19,6 +19,7 @@ before it saves, so the newest checkpoint stays the last good one.
 
 import argparse
 import contextlib
+import glob
 import hashlib
 import math
 import os
@@ -111,6 +112,32 @@ def parse_args(argv=None):
 def fail(message):
     print(f"train_checkpoint.py: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+# Scheduler variables that say this job was given GPUs, and the device files of a GPU node.
+GPU_VARIABLES = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SGE_HGR_gpu", "CUDA_VISIBLE_DEVICES")
+GPU_DEVICE_FILES = ("/dev/nvidia[0-9]*", "/dev/kfd")
+
+
+def gpu_usable(torch):
+    """True when PyTorch can use a GPU. When it cannot, on a node with GPUs that the scheduler
+    gave this job (a CPU-only build, a driver older than the build's CUDA), stop in one line:
+    a job given GPUs never trains on the CPU unnoticed."""
+    if torch.cuda.is_available():
+        return True
+    unset = ("", "(null)", "-1", "NoDevFiles")  # "0" is a GPU: the first
+    given = [name for name in GPU_VARIABLES if os.environ.get(name, "").strip() not in unset]
+    if given and any(glob.glob(pattern) for pattern in GPU_DEVICE_FILES):
+        fail(f"this job was given GPUs ({given[0]}={os.environ[given[0]]}) but PyTorch "
+             f"{torch.__version__} can use none: run check_pytorch.py in the job to see why, "
+             "or pass --device cpu")  # fmt: skip
+    return False
+
+
+def announce_gpu(torch, device):
+    """One line per process that runs on a GPU: make site-check counts the GPUs that ran."""
+    props = torch.cuda.get_device_properties(device)
+    print(f"GPU in use: {props.uuid} ({props.name}) on {os.uname().nodename}", flush=True)
 
 
 def make_dataset(args):
@@ -276,10 +303,11 @@ def main(argv=None):
     if args.device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda but no GPU is visible: request one with #SBATCH --gpus-per-node=1")
     dataset = make_dataset(args)
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    use_cuda = args.device == "cuda" or (args.device == "auto" and gpu_usable(torch))
     device = torch.device("cuda" if use_cuda else "cpu")
     if use_cuda:  # deterministic cuBLAS; must be set before the first CUDA call
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        announce_gpu(torch, device)
     torch.use_deterministic_algorithms(True)  # the same run gives the same weights
     steps_per_epoch = -(-len(dataset) // args.batch_size)
 

@@ -17,6 +17,7 @@ global batch (replicas x --batch-size). Rank 0 prints the loss and images/s of e
 import argparse
 import datetime
 import gc
+import glob
 import math
 import os
 import socket
@@ -87,6 +88,32 @@ def parse_args(argv=None):
 def fail(message):
     print(f"ddp.py: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+# Scheduler variables that say this job was given GPUs, and the device files of a GPU node.
+GPU_VARIABLES = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SGE_HGR_gpu", "CUDA_VISIBLE_DEVICES")
+GPU_DEVICE_FILES = ("/dev/nvidia[0-9]*", "/dev/kfd")
+
+
+def gpu_usable(torch):
+    """True when PyTorch can use a GPU. When it cannot, on a node with GPUs that the scheduler
+    gave this job (a CPU-only build, a driver older than the build's CUDA), stop in one line:
+    a job given GPUs never trains on the CPU unnoticed."""
+    if torch.cuda.is_available():
+        return True
+    unset = ("", "(null)", "-1", "NoDevFiles")  # "0" is a GPU: the first
+    given = [name for name in GPU_VARIABLES if os.environ.get(name, "").strip() not in unset]
+    if given and any(glob.glob(pattern) for pattern in GPU_DEVICE_FILES):
+        fail(f"this job was given GPUs ({given[0]}={os.environ[given[0]]}) but PyTorch "
+             f"{torch.__version__} can use none: run check_pytorch.py in the job to see why, "
+             "or pass --device cpu")  # fmt: skip
+    return False
+
+
+def announce_gpu(torch, device):
+    """One line per process that runs on a GPU: make site-check counts the GPUs that ran."""
+    props = torch.cuda.get_device_properties(device)
+    print(f"GPU in use: {props.uuid} ({props.name}) on {os.uname().nodename}", flush=True)
 
 
 def env_int(name):
@@ -171,11 +198,13 @@ def main(argv=None):
     import torch
     import torch.distributed as dist
 
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    use_cuda = args.device == "cuda" or (args.device == "auto" and gpu_usable(torch))
     gpu = gpu_index(local_rank, torch.cuda.device_count()) if use_cuda else None
     if use_cuda:
         torch.cuda.set_device(gpu)
     device = torch.device("cuda", gpu) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        announce_gpu(torch, device)
     address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     try:
         # Start-up fails fast: every process must reach rank 0 within --init-timeout. Under

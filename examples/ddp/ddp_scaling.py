@@ -25,6 +25,11 @@ def positive_int(text):
     return value
 
 
+def fail(message, code=2):
+    print(f"ddp_scaling.py: error: {message}", file=sys.stderr)
+    sys.exit(code)
+
+
 def writable_file(text):
     """An output file: its folder created if needed; the reason given when it cannot be."""
     path = Path(text)
@@ -67,6 +72,12 @@ def machine(device):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            fail("--device cuda but PyTorch sees no GPU: run it in a job given GPUs "
+                 "(#SBATCH --gpus-per-node=N), or with --device cpu")  # fmt: skip
     script = Path(__file__).with_name("ddp.py")
     options = [f"--device={args.device}", "--fake-data", f"--fake-size={args.fake_size}",
                f"--epochs={args.epochs}", "--num-workers=0"]  # fmt: skip
@@ -80,10 +91,11 @@ def main(argv=None):
         if proc.returncode != 0 or not rates:
             # torchrun ends with a box of ===; the processes' own one-line errors say why.
             lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
-            errors = [line for line in lines if "error" in line.lower() and "=" not in line[:3]]
+            errors = [line for line in lines if line.startswith("ddp.py: error:")] or [
+                line for line in lines if "error" in line.lower() and "=" not in line[:3]
+            ]
             why = " | ".join(dict.fromkeys(errors[-3:] or lines[-1:] or ["no output"]))
-            print(f"ddp_scaling.py: error: {processes} processes failed: {why}", file=sys.stderr)
-            sys.exit(1)
+            fail(f"{processes} processes failed: {why}", code=1)
         rows.append({"processes": processes, "images_per_s": int(rates[-1])})
         print(f"{processes} processes: {rates[-1]} images/s")
     for row in rows:

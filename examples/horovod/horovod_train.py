@@ -12,6 +12,7 @@ epoch, averaged over all processes. Build Horovod first with install_horovod.sh.
 """
 
 import argparse
+import glob
 import importlib.util
 import math
 import os
@@ -90,6 +91,32 @@ def fail(message):
     sys.exit(2)
 
 
+# Scheduler variables that say this job was given GPUs, and the device files of a GPU node.
+GPU_VARIABLES = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SGE_HGR_gpu", "CUDA_VISIBLE_DEVICES")
+GPU_DEVICE_FILES = ("/dev/nvidia[0-9]*", "/dev/kfd")
+
+
+def gpu_usable(torch):
+    """True when PyTorch can use a GPU. When it cannot, on a node with GPUs that the scheduler
+    gave this job (a CPU-only build, a driver older than the build's CUDA), stop in one line:
+    a job given GPUs never trains on the CPU unnoticed."""
+    if torch.cuda.is_available():
+        return True
+    unset = ("", "(null)", "-1", "NoDevFiles")  # "0" is a GPU: the first
+    given = [name for name in GPU_VARIABLES if os.environ.get(name, "").strip() not in unset]
+    if given and any(glob.glob(pattern) for pattern in GPU_DEVICE_FILES):
+        fail(f"this job was given GPUs ({given[0]}={os.environ[given[0]]}) but PyTorch "
+             f"{torch.__version__} can use none: run check_pytorch.py in the job to see why, "
+             "or pass --device cpu")  # fmt: skip
+    return False
+
+
+def announce_gpu(torch, device):
+    """One line per process that runs on a GPU: make site-check counts the GPUs that ran."""
+    props = torch.cuda.get_device_properties(device)
+    print(f"GPU in use: {props.uuid} ({props.name}) on {os.uname().nodename}", flush=True)
+
+
 def env_int(name):
     """The whole number in environment variable `name`, or one line that names it."""
     text = os.environ[name]
@@ -161,7 +188,7 @@ def main(argv=None):
     hvd.barrier()  # returns only once all processes have joined
     rank, size, local_rank = hvd.rank(), hvd.size(), hvd.local_rank()
 
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    use_cuda = args.device == "cuda" or (args.device == "auto" and gpu_usable(torch))
     if use_cuda and local_rank >= torch.cuda.device_count():
         fail(
             f"local rank {local_rank} but {torch.cuda.device_count()} GPUs visible: request one "
@@ -173,6 +200,8 @@ def main(argv=None):
     if use_cuda:
         torch.cuda.set_device(local_rank)  # one GPU per process, picked by its local rank
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        announce_gpu(torch, device)
 
     dataset = make_dataset(torch, args)
     sampler = torch.utils.data.distributed.DistributedSampler(

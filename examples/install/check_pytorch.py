@@ -6,7 +6,8 @@ naming the fix, when the GPU's architecture is missing from this PyTorch build (
 image is available for execution on the device") or when a GPU was requested but none is
 visible, and says why: a CPU-only build, or an NVIDIA driver too old for the CUDA of this
 build (nvidia-smi shows the newest CUDA the driver supports). ROCm builds are recognised.
-With --device cuda it fails unless a usable GPU is there.
+With --device cuda it fails unless a usable GPU is there; so does a job that the scheduler
+gave GPUs, on a node that has them, unless --device cpu.
 
     python check_pytorch.py
     python check_pytorch.py --device cuda
@@ -15,6 +16,7 @@ Job scripts: check_pytorch.sbatch (Slurm) and check_pytorch.qsub (Grid Engine).
 """
 
 import argparse
+import glob
 import os
 import platform
 import re
@@ -30,6 +32,9 @@ GPU_COUNT_VARIABLES = (
     "SLURM_GPUS_PER_NODE",
     "SLURM_GPUS_PER_TASK",
 )
+
+# Device files that only a GPU node has (NVIDIA, AMD).
+GPU_DEVICE_FILES = ("/dev/nvidia[0-9]*", "/dev/kfd")
 
 HOW_TO_REQUEST_A_GPU = (
     "request one: Slurm '#SBATCH --gpus-per-node=1' (or --gres=gpu:1), "
@@ -236,6 +241,15 @@ def main(argv=None):
                 f"sm_{props.major}{props.minor} (a newer PyTorch wheel, or your site's module)."
             )
 
+    # On a GPU node, a job given GPUs stops here rather than pass on the CPU; elsewhere (a
+    # scheduler whose GPUs are not real, as on the guide's test cluster) it warns.
+    on_gpu_node = any(glob.glob(pattern) for pattern in GPU_DEVICE_FILES)
+    if requested and usable == 0 and on_gpu_node and args.device != "cpu":
+        if count == 0:
+            fail(f"the scheduler gave this job GPUs ({requested}) but PyTorch sees none: "
+                 f"{why_no_gpu(torch, driver)}")  # fmt: skip
+        fail(f"the scheduler gave this job GPUs ({requested}) but this PyTorch has no kernels "
+             "for them (see the WARNING above)")  # fmt: skip
     if requested and count == 0:
         print(
             f"WARNING: the scheduler gave this job GPUs ({requested}) but PyTorch sees none: "
@@ -249,6 +263,9 @@ def main(argv=None):
             fail(f"--device cuda was given but no GPU is visible; {HOW_TO_REQUEST_A_GPU}")
         fail("--device cuda was given but this PyTorch has no kernels for the visible GPUs")
     device = "cuda" if args.device != "cpu" and usable else "cpu"
+    if device == "cuda":  # one line per GPU that ran: make site-check counts them
+        props = torch.cuda.get_device_properties(0)
+        print(f"GPU in use: {props.uuid} ({props.name}) on {platform.node()}")
 
     a = torch.randn(args.size, args.size, device=device)
     b = torch.randn(args.size, args.size, device=device)

@@ -4,15 +4,21 @@
 // of SGD and prints the loss of each epoch, which goes down. It also prints the LibTorch
 // version it was compiled against and whether CUDA is available. Errors end it with one line
 // on stderr: exit code 2 for a bad option or a missing GPU, 1 for an error raised by LibTorch.
+// In a job that the scheduler gave GPUs, on a node that has them, --device auto stops (exit 2)
+// when LibTorch can use none, rather than train on the CPU.
 //
 //     bash build.sh --device cpu            # configure, build, run (options go to the program)
 //     build/example --device cuda --epochs 10
 //     sbatch libtorch.sbatch                # build and run on a compute node
 #include <torch/torch.h>
 
+#include <unistd.h>
+
+#include <cctype>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <filesystem>
 #include <iomanip>
 #include <iostream>
 #include <stdexcept>
@@ -64,6 +70,36 @@ Options parse_args(int argc, char* argv[]) {
   return options;
 }
 
+// The scheduler variable that says this job was given GPUs, as NAME=value, or "".
+std::string gpus_given() {
+  for (const char* name :
+       {"SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SGE_HGR_gpu", "CUDA_VISIBLE_DEVICES"}) {
+    const char* value = std::getenv(name);
+    const std::string text = value ? value : "";  // "0" is a GPU: the first
+    if (!text.empty() && text != "(null)" && text != "-1" && text != "NoDevFiles")
+      return std::string(name) + "=" + text;
+  }
+  return "";
+}
+
+// Whether this node has GPU device files (/dev/nvidia0, ... or AMD's /dev/kfd).
+bool gpu_node() {
+  std::error_code error;
+  if (std::filesystem::exists("/dev/kfd", error)) return true;
+  for (const auto& entry : std::filesystem::directory_iterator("/dev", error)) {
+    const std::string name = entry.path().filename().string();
+    if (name.size() > 6 && name.starts_with("nvidia") &&
+        std::isdigit(static_cast<unsigned char>(name[6])))
+      return true;
+  }
+  return false;
+}
+
+std::string host_name() {
+  char name[256] = {};
+  return gethostname(name, sizeof name - 1) == 0 ? name : "unknown";
+}
+
 std::string first_line(const std::string& text) { return text.substr(0, text.find('\n')); }
 
 int train(const Options& options) {
@@ -77,8 +113,16 @@ int train(const Options& options) {
     throw UsageError(
         "--device cuda but no GPU is visible: run on a GPU node (#SBATCH --gpus-per-node=1) "
         "or pass --device cpu");
+  // A job given GPUs on a GPU node never trains on the CPU unnoticed.
+  const std::string given = options.device == "auto" && !cuda ? gpus_given() : "";
+  if (!given.empty() && gpu_node())
+    throw UsageError("this job was given GPUs (" + given + ") but LibTorch " + TORCH_VERSION +
+                     " can use none: run check_pytorch.py in the job to see why, or pass "
+                     "--device cpu");
   const bool use_cuda = options.device == "cuda" || (options.device == "auto" && cuda);
   const torch::Device device(use_cuda ? torch::kCUDA : torch::kCPU);
+  if (use_cuda)  // one line per GPU that ran: make site-check counts them
+    std::cout << "GPU in use: cuda:0 on " << host_name() << "\n";
 
   // Generated data: 1024 samples of 16 features, on the device.
   torch::manual_seed(options.seed);

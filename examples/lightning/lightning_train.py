@@ -18,6 +18,7 @@ progress bar is shown only in a terminal, never in a batch log.
 import argparse
 import datetime
 import gc
+import glob
 import math
 import os
 import signal
@@ -30,6 +31,32 @@ from pathlib import Path
 def fail(message):
     print(f"lightning_train.py: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+# Scheduler variables that say this job was given GPUs, and the device files of a GPU node.
+GPU_VARIABLES = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SGE_HGR_gpu", "CUDA_VISIBLE_DEVICES")
+GPU_DEVICE_FILES = ("/dev/nvidia[0-9]*", "/dev/kfd")
+
+
+def gpu_usable(torch):
+    """True when PyTorch can use a GPU. When it cannot, on a node with GPUs that the scheduler
+    gave this job (a CPU-only build, a driver older than the build's CUDA), stop in one line:
+    a job given GPUs never trains on the CPU unnoticed."""
+    if torch.cuda.is_available():
+        return True
+    unset = ("", "(null)", "-1", "NoDevFiles")  # "0" is a GPU: the first
+    given = [name for name in GPU_VARIABLES if os.environ.get(name, "").strip() not in unset]
+    if given and any(glob.glob(pattern) for pattern in GPU_DEVICE_FILES):
+        fail(f"this job was given GPUs ({given[0]}={os.environ[given[0]]}) but PyTorch "
+             f"{torch.__version__} can use none: run check_pytorch.py in the job to see why, "
+             "or pass --device cpu")  # fmt: skip
+    return False
+
+
+def announce_gpu(torch, device):
+    """One line per process that runs on a GPU: make site-check counts the GPUs that ran."""
+    props = torch.cuda.get_device_properties(device)
+    print(f"GPU in use: {props.uuid} ({props.name}) on {os.uname().nodename}", flush=True)
 
 
 def env_int(name, default=None):
@@ -208,6 +235,8 @@ class EpochReport(L.Callback):
         self.start, self.images = time.perf_counter(), 0  # a resumed run starts mid-epoch
         node = os.environ.get("SLURMD_NODENAME", os.uname().nodename)
         print(f"rank {trainer.global_rank}/{trainer.world_size} on {node}, {module.device}")
+        if module.device.type == "cuda":
+            announce_gpu(torch, module.device)
         if trainer.is_global_zero:
             environment = type(trainer.strategy.cluster_environment).__name__
             print(f"world size {trainer.world_size}: {trainer.num_nodes} node(s) x "
@@ -332,7 +361,7 @@ def main(argv=None):
             f"python -c \"from torchvision.datasets import CIFAR10; CIFAR10('{args.data_dir}', "
             'download=True)", or pass --fake-data'
         )  # never download here: every process would write the same files at once
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    use_cuda = args.device == "cuda" or (args.device == "auto" and gpu_usable(torch))
     if args.device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda but no GPU is visible: request one with #SBATCH --gpus-per-node=1")
     if use_cuda and torch.cuda.device_count() < devices:

@@ -16,6 +16,7 @@ replaces a folder that has the checkpoint's name.
 """
 
 import argparse
+import glob
 import hashlib
 import math
 import os
@@ -98,6 +99,32 @@ def parse_args(argv=None):
 def fail(message):
     print(f"preemptible.py: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+# Scheduler variables that say this job was given GPUs, and the device files of a GPU node.
+GPU_VARIABLES = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SGE_HGR_gpu", "CUDA_VISIBLE_DEVICES")
+GPU_DEVICE_FILES = ("/dev/nvidia[0-9]*", "/dev/kfd")
+
+
+def gpu_usable(torch):
+    """True when PyTorch can use a GPU. When it cannot, on a node with GPUs that the scheduler
+    gave this job (a CPU-only build, a driver older than the build's CUDA), stop in one line:
+    a job given GPUs never trains on the CPU unnoticed."""
+    if torch.cuda.is_available():
+        return True
+    unset = ("", "(null)", "-1", "NoDevFiles")  # "0" is a GPU: the first
+    given = [name for name in GPU_VARIABLES if os.environ.get(name, "").strip() not in unset]
+    if given and any(glob.glob(pattern) for pattern in GPU_DEVICE_FILES):
+        fail(f"this job was given GPUs ({given[0]}={os.environ[given[0]]}) but PyTorch "
+             f"{torch.__version__} can use none: run check_pytorch.py in the job to see why, "
+             "or pass --device cpu")  # fmt: skip
+    return False
+
+
+def announce_gpu(torch, device):
+    """One line per process that runs on a GPU: make site-check counts the GPUs that ran."""
+    props = torch.cuda.get_device_properties(device)
+    print(f"GPU in use: {props.uuid} ({props.name}) on {os.uname().nodename}", flush=True)
 
 
 class StopSignal:
@@ -279,8 +306,10 @@ def main(argv=None):
 
     if args.device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda but no GPU is visible: request one with #SBATCH --gpus-per-node=1")
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    use_cuda = args.device == "cuda" or (args.device == "auto" and gpu_usable(torch))
     device = torch.device("cuda" if use_cuda else "cpu")
+    if use_cuda:
+        announce_gpu(torch, device)
     dataset = make_dataset(torch, args)
     torch.manual_seed(args.seed)
     torch.use_deterministic_algorithms(not use_cuda)  # some CUDA operations have no such version

@@ -12,6 +12,7 @@ shows them.
 
 import argparse
 import getpass
+import glob
 import math
 import os
 import socket
@@ -86,6 +87,32 @@ def fail(message):
     sys.exit(2)
 
 
+# Scheduler variables that say this job was given GPUs, and the device files of a GPU node.
+GPU_VARIABLES = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SGE_HGR_gpu", "CUDA_VISIBLE_DEVICES")
+GPU_DEVICE_FILES = ("/dev/nvidia[0-9]*", "/dev/kfd")
+
+
+def gpu_usable(torch):
+    """True when PyTorch can use a GPU. When it cannot, on a node with GPUs that the scheduler
+    gave this job (a CPU-only build, a driver older than the build's CUDA), stop in one line:
+    a job given GPUs never trains on the CPU unnoticed."""
+    if torch.cuda.is_available():
+        return True
+    unset = ("", "(null)", "-1", "NoDevFiles")  # "0" is a GPU: the first
+    given = [name for name in GPU_VARIABLES if os.environ.get(name, "").strip() not in unset]
+    if given and any(glob.glob(pattern) for pattern in GPU_DEVICE_FILES):
+        fail(f"this job was given GPUs ({given[0]}={os.environ[given[0]]}) but PyTorch "
+             f"{torch.__version__} can use none: run check_pytorch.py in the job to see why, "
+             "or pass --device cpu")  # fmt: skip
+    return False
+
+
+def announce_gpu(torch, device):
+    """One line per process that runs on a GPU: make site-check counts the GPUs that ran."""
+    props = torch.cuda.get_device_properties(device)
+    print(f"GPU in use: {props.uuid} ({props.name}) on {os.uname().nodename}", flush=True)
+
+
 def check_job_ids():
     """Slurm's array ids name the run's folder: whole numbers, or one line that says so."""
     for name in ("SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"):
@@ -136,8 +163,10 @@ def main(argv=None):
     check_job_ids()
     if args.device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda but no GPU is visible: request one (e.g. #SBATCH --gpus-per-node=1)")
-    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    use_cuda = args.device == "cuda" or (args.device == "auto" and gpu_usable(torch))
     device = torch.device("cuda" if use_cuda else "cpu")
+    if use_cuda:
+        announce_gpu(torch, device)
     if args.fake_size < args.batch_size:
         fail(f"--fake-size {args.fake_size} is smaller than one batch of {args.batch_size}")
 

@@ -200,11 +200,13 @@ def centre_stamp(examples):
     date = max(entry["date"] for entry in current.values())
     parts = [fill(_("Verified at {centre} on {date}: {passed} of {total} job scripts passed"),
                   centre=site.name, date=date, passed=passed, total=len(scripts))]  # fmt: skip
-    # The most GPUs one passing job used, and their model where the jobs printed it.
+    # The most GPUs one passing job ran on (its output names each: site_check.gpus_used), and
+    # their model where the jobs printed it.
     passing = [current[name] for name, outcome in outcomes.items() if outcome == "passed"]
-    gpus = max((entry.get("gpus") or 0 for entry in passing), default=0)
+    most = max(passing, key=lambda entry: entry.get("gpus") or 0, default={})
+    gpus = most.get("gpus") or 0
     if gpus:
-        model = next((e["gpu"] for e in passing if e.get("gpu")), "GPU")
+        model = most.get("gpu_model") or next((e["gpu"] for e in passing if e.get("gpu")), "GPU")
         gpu_text = fill(_("{count} × {model}"), count=gpus, model=model)
         parts[0] += [nodes.Text(_(", "))] + gpu_text  # before the GPUs
     failed = sorted(name for name, outcome in outcomes.items() if outcome != "passed")
