@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+import records
 from bad_input import NUMERIC_VARIABLES, named_variables
 
 from conftest import EXAMPLES, TESTS, TORCHRUN, example_env, free_port, on_a_gpu_node, run
@@ -73,6 +74,7 @@ def harnessed(tmp_path_factory):
             scripts = {"args": SCRIPTS, "env": ENV_SCRIPTS, "gpus": GPU_SCRIPTS}[mode]
             runs[mode] = harness(tmp_path_factory.mktemp(f"bad-{mode}"), mode, scripts)
         result = runs[mode][script]
+        records.credit([script.relative_to(EXAMPLES).as_posix()])  # its cases, judged here
         if "error" in result:
             pytest.fail(f"the harness failed on {script.name}:\n{result['error']}", pytrace=False)
         return result["cases"]
