@@ -10,6 +10,7 @@ import textwrap
 from hashlib import sha256
 
 import pytest
+import sphinx.locale
 
 from conftest import EXAMPLES, ROOT, SOURCE, example_env
 
@@ -151,3 +152,18 @@ def test_a_changed_file_shows_as_not_tested(tmp_path):
     records = verification.load_records(tmp_path)
     assert verification.untested(records, [name]) == [name]
     assert verification.summary(records, [name])["cpu"] == (0, 0, None)
+
+
+def test_a_stamp_says_1_test_not_1_tests(tmp_path):
+    """Counts take the plural form of their language (ngettext): 1 test, 2 tests."""
+    sphinx.locale.init([], None)  # English, as a build without a language registers it
+    name = "install/check_pytorch.py"
+    digest = sha256((EXAMPLES / name).read_bytes()).hexdigest()
+    for count, words in ((1, "1 test passed"), (2, "2 tests passed")):
+        tests = {f"t::{n}": ["passed", 1.0] for n in range(count)}
+        entry = {"sha256": digest, "date": "2026-11-25", "torch": "2.13.0", "python": "3.11.7",
+                 "tests": tests}  # fmt: skip
+        (tmp_path / "cpu.json").write_text(json.dumps({"examples": {name: entry}}))
+        parts = verification.stamp_text(verification.load_records(tmp_path), [name])
+        text = "".join(node.astext() for node in parts[0])
+        assert text == f"CPU: {words} (2026-11-25, torch 2.13.0, Python 3.11.7)"

@@ -130,6 +130,8 @@ def test_page_shows_a_stamp_from_the_records(site, lang, page):
         english = stamp_of((out / "en" / f"{page}.html").read_text(encoding="utf-8"))
         lead = stamp.split(":")[0].split("：")[0]
         assert lead != english.split(":")[0], f"stamp in English: {stamp}"
+    if lang in ("zh_CN", "ja"):  # the language's spacing and brackets, not English ones
+        assert "： " not in stamp and " (" not in stamp and stamp.strip().endswith("）"), stamp
     assert "Verified with" not in (out / lang / f"{page}.html").read_text(encoding="utf-8")
 
 

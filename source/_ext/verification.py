@@ -26,7 +26,7 @@ from pathlib import Path
 
 from docutils import nodes
 from sphinx import addnodes
-from sphinx.locale import _
+from sphinx.locale import _, get_translator
 from sphinx.transforms import SphinxTransform
 from sphinx.util.docutils import SphinxDirective
 
@@ -70,6 +70,16 @@ def fill(template, **parts):
     return result
 
 
+def ngettext(singular, plural, count):
+    """The form of a message for count, from the catalog that _() reads (sphinx.po)."""
+    return get_translator("sphinx", "general").ngettext(singular, plural, count)
+
+
+def separator():
+    """Between two parts of a stamp (a language may space it, or not)."""
+    return nodes.Text(_(" · "))
+
+
 def summary(records, examples):
     """Per suite: (passed, failed, newest entry) over the tests that ran these examples."""
     result = {}
@@ -106,18 +116,25 @@ def stamp_text(records, examples):
             continue
         if failed:
             text = fill(
-                _("{suite}: {failed} of {total} tests failed ({date})"),
+                ngettext("{suite}: {failed} of {total} test failed ({date})",
+                         "{suite}: {failed} of {total} tests failed ({date})", passed + failed),
                 suite=labels[suite], failed=failed, total=passed + failed, date=newest["date"],
             )  # fmt: skip
         elif suite == "gpu":
             text = fill(
-                _("{suite}: {passed} tests passed ({date}, {device}, torch {torch}, CUDA {cuda})"),
+                ngettext(
+                    "{suite}: {passed} test passed ({date}, {device}, torch {torch}, CUDA {cuda})",
+                    "{suite}: {passed} tests passed ({date}, {device}, torch {torch}, CUDA {cuda})",
+                    passed,
+                ),
                 suite=labels[suite], passed=passed, date=newest["date"], device=newest["gpu"],
                 torch=newest["torch"], cuda=newest["cuda"],
             )  # fmt: skip
         else:
             text = fill(
-                _("{suite}: {passed} tests passed ({date}, torch {torch}, Python {python})"),
+                ngettext("{suite}: {passed} test passed ({date}, torch {torch}, Python {python})",
+                         "{suite}: {passed} tests passed ({date}, torch {torch}, Python {python})",
+                         passed),
                 suite=labels[suite], passed=passed, date=newest["date"],
                 torch=newest["torch"].split("+")[0], python=newest["python"],
             )  # fmt: skip
@@ -143,38 +160,32 @@ def stamp(env, examples):
     else:
         lead = _("Scripts on this page:")
     paragraph = nodes.paragraph(classes=["verification-stamp"])
-    paragraph += nodes.strong(text=lead)
-    paragraph += nodes.Text(" ")
-    for i, part in enumerate(stamp_text(records, examples)):
-        if i:
-            paragraph += nodes.Text(" · ")
-        paragraph.extend(part)
+    parts = list(stamp_text(records, examples))
     stale = untested(records, examples)
     if len(stale) > 5:
         paragraph["classes"].append("verification-stale")
-        paragraph += nodes.Text(" · ")
-        paragraph.extend(
+        parts.append(
             fill(_("{count} scripts not tested in their current version"), count=len(stale))
         )
     elif stale:
         paragraph["classes"].append("verification-stale")
-        paragraph += nodes.Text(" · ")
-        files = nodes.inline()
-        for i, name in enumerate(stale):
-            files += nodes.Text(", " if i else "")
-            files += nodes.literal(text=Path(name).name)
-        paragraph.extend(fill(_("not tested in their current version: {files}"), files=files))
+        parts.append(fill(_("not tested in their current version: {files}"),
+                          files=file_list(stale)))  # fmt: skip
     if site_edition.SITE is not None:
-        for part in centre_stamp(examples):
-            paragraph += nodes.Text(" · ")
-            paragraph.extend(part)
-    paragraph += nodes.Text(" (")
+        parts += centre_stamp(examples)
+    body = nodes.inline()
+    for i, part in enumerate(parts):
+        if i:
+            body += separator()
+        body.extend(part)
     link = addnodes.pending_xref(
         "", nodes.inline(), refdomain="std", reftype="doc", reftarget=TESTING_PAGE,
         refexplicit=False, refwarn=True, refdoc=env.docname,
     )  # fmt: skip
-    paragraph += link
-    paragraph += nodes.Text(")")
+    # The lead, the parts, and the link to the testing page, spaced and bracketed as the
+    # language writes them.
+    paragraph.extend(fill(_("{lead} {stamp} ({link})"), lead=nodes.strong(text=lead), stamp=body,
+                          link=link))  # fmt: skip
     for suite in SUITES:
         env.note_dependency(str(RECORDS / f"{suite}.json"))
     if site_edition.SITE is not None:
@@ -198,7 +209,9 @@ def centre_stamp(examples):
     outcomes = {name: entry["tests"]["site-check"][0] for name, entry in current.items()}
     passed = sum(outcome == "passed" for outcome in outcomes.values())
     date = max(entry["date"] for entry in current.values())
-    parts = [fill(_("Verified at {centre} on {date}: {passed} of {total} job scripts passed"),
+    parts = [fill(ngettext("Verified at {centre} on {date}: {passed} of {total} job script passed",
+                           "Verified at {centre} on {date}: {passed} of {total} job scripts passed",
+                           len(scripts)),
                   centre=site.name, date=date, passed=passed, total=len(scripts))]  # fmt: skip
     # The most GPUs one passing job ran on (its output names each: site_check.gpus_used), and
     # their model where the jobs printed it.
@@ -220,10 +233,14 @@ def centre_stamp(examples):
 
 
 def file_list(names):
+    """The file names of names, listed as the language lists them (a comma, 、, ...)."""
     files = nodes.inline()
     for i, name in enumerate(names):
-        files += nodes.Text(", " if i else "")
-        files += nodes.literal(text=Path(name).name)
+        item = nodes.literal(text=Path(name).name)
+        if i:
+            files = nodes.inline("", "", *fill(_("{items}, {item}"), items=files, item=item))
+        else:
+            files += item
     return files
 
 
@@ -233,7 +250,7 @@ def centre_note():
     code = nodes.literal
     paragraph = nodes.paragraph(classes=["site-edition"])
     centre = nodes.reference("", site.name, refuri=site.get("centre.documentation"))
-    paragraph += nodes.strong("", "", *fill(_("Edition of {centre}:"), centre=centre))
+    lead = nodes.strong("", "", *fill(_("Edition of {centre}:"), centre=centre))
     facts = [
         fill(
             _("GPU jobs go to {partition}"),
@@ -259,17 +276,16 @@ def centre_note():
         facts.append(
             fill(_("shared datasets are in {data}"), data=code(text=site.get("storage.data")))
         )
+    choices = nodes.inline()
     for i, fact in enumerate(facts):
-        paragraph += nodes.Text(" " if i == 0 else _("; "))  # between two of the choices
-        paragraph.extend(fact)
-    paragraph += nodes.Text(_(". "))  # after the last choice
-    paragraph += nodes.Text(
-        _(
-            "The site-specific blocks of its job scripts on this page are filled in with these "
-            "choices, and its stamp covers them; the project's stamp covers the generic scripts "
-            "they are made from, and the scripts of the other scheduler, which stay generic."
-        )
-    )
+        if i:
+            choices += nodes.Text(_("; "))  # between two of the choices
+        choices.extend(fact)
+    paragraph.extend(fill(_("{lead} {choices}. {note}"), lead=lead, choices=choices, note=_(
+        "The site-specific blocks of its job scripts on this page are filled in with these "
+        "choices, and its stamp covers them; the project's stamp covers the generic scripts "
+        "they are made from, and the scripts of the other scheduler, which stay generic."
+    )))  # fmt: skip
     return paragraph
 
 
@@ -379,8 +395,8 @@ class VerificationTable(SphinxDirective):
                     _("{passed} passed") if "failed" not in outcomes else _("{failed} failed"),
                     passed=outcomes.count("passed"), failed=outcomes.count("failed"),
                 )  # fmt: skip
-                if entry["stale"]:
-                    cell += [nodes.Text(" "), nodes.emphasis(text=_("(stale)"))]
+                if entry["stale"]:  # no italics: CJK fonts have none
+                    cell.append(nodes.inline(text=_(" (stale)"), classes=["verification-stale"]))
                 cells.append(cell)
             cells += [f"{seconds:.1f}" if dates else "–", max(dates) if dates else "–"]
             body += row(cells)
