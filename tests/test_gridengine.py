@@ -194,7 +194,7 @@ def test_site_check_runs_every_job_script_of_the_cell_and_records_it(cell_env, t
     page = re.search(r"Scripts on this page: .*? \(How this guide is tested\)", page)[0]
     date = entries["arrays/sweep.qsub"]["date"]
     assert (
-        f"Verified at the tests' Grid Engine cell on {date}: 1 of 1 job scripts passed" in page
+        f"Verified at the tests' Grid Engine cell on {date}: 1 of 1 job script passed" in page
     ), page
 
 

@@ -1052,7 +1052,7 @@ def test_site_check_records_each_outcome_and_the_edition_shows_it(cluster, job_e
         "are requested with --gres=gpu:N; the account is tests" in first_job
     )
     benchmark = text_of(built / "performance" / "gpu-benchmark.html")
-    assert "0 of 1 job scripts passed · failed there: resnet_benchmark.sbatch" in benchmark
+    assert "0 of 1 job script passed · failed there: resnet_benchmark.sbatch" in benchmark
     ddp = text_of(built / "distributed" / "ddp.html")
     assert "× GPU" not in ddp and "#SBATCH --gres=gpu:2" in ddp and "##SBATCH" not in ddp
     downloads = list((built / "_downloads").rglob("ddp_srun.sbatch"))
