@@ -58,7 +58,11 @@ def _note(path):
     for edition in EDITIONS:
         if edition in path.parents:
             path = EXAMPLES / path.relative_to(edition)
-    if path.is_file() and EXAMPLES in path.parents and "__pycache__" not in path.parts:
+    try:  # an argument that is a whole script, not a path, can be too long a name
+        is_file = path.is_file()
+    except OSError:
+        return
+    if is_file and EXAMPLES in path.parents and "__pycache__" not in path.parts:
         _touched.add(path.relative_to(EXAMPLES).as_posix())
 
 

@@ -57,7 +57,8 @@ def test_ddp_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path,
     assert "No checkpoint in whole: starting from scratch" in whole
     assert "2 processes, cpu (gloo), global batch 128, epochs 1 to 2" in whole
     assert "Saved whole/epoch-1.pt" in whole and "Saved whole/epoch-2.pt" in whole
-    assert sorted(p.name for p in (tmp_path / "whole").iterdir()) == ["epoch-1.pt", "epoch-2.pt"]
+    assert sorted(p.name for p in (tmp_path / "whole").iterdir()) == [".lock", "epoch-1.pt",
+                                                                       "epoch-2.pt"]  # fmt: skip
 
     start = time.perf_counter()
     first = srun_tasks(DDP, [*DDP_TINY, "--epochs", 1, "--output-dir", "parts", "--keep", 1],
@@ -74,7 +75,7 @@ def test_ddp_resumed_run_ends_with_the_weights_of_an_uninterrupted_one(tmp_path,
     assert epoch_losses(whole)[1] < epoch_losses(whole)[0], whole
     assert digest(second) == digest(whole) != digest(first), (second, whole)
     # --keep 1: only the newest file is left, and no temporary file
-    assert [p.name for p in (tmp_path / "parts").iterdir()] == ["epoch-2.pt"]
+    assert sorted(p.name for p in (tmp_path / "parts").iterdir()) == [".lock", "epoch-2.pt"]
 
     # The file loads with weights_only=True into a plain model: no "module." prefix.
     state = torch.load(tmp_path / "parts" / "epoch-2.pt", map_location="cpu", weights_only=True)
@@ -109,7 +110,7 @@ def test_fsdp_checkpoint_reshards_to_4_and_to_1_process_and_converts(tmp_path, r
                    volatile=[(r"weights digest [0-9a-f]{16}", "weights digest …")])  # fmt: skip
     assert epoch_losses(second)[0] < epoch_losses(first)[0], (first, second)
     kept = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert kept == ["epoch-1", "epoch-2"], kept  # no epoch-2.tmp left behind
+    assert kept == [".lock", "epoch-1", "epoch-2"], kept  # no epoch-2.tmp left behind
     written = sorted(p.name for p in (tmp_path / "checkpoints" / "epoch-2").iterdir())
     assert written == [".metadata", *(f"__{rank}_0.distcp" for rank in range(4))]
 

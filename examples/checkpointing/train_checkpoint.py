@@ -11,14 +11,19 @@ on with exactly the batches it had not done. On CPU, a run that was killed and r
 with the same weights, bit for bit, as one that never stopped: compare the final digests.
 A file that is not a checkpoint of this script is skipped like a damaged one; a folder with a
 checkpoint's name is never written into or deleted. A loss that is not finite stops the run
-before it saves, so the newest checkpoint stays the last good one.
+before it saves, so the newest checkpoint stays the last good one. A second run on the same
+--checkpoint-dir is refused while the first holds it, and a save that fails (a full disk, a
+quota) stops the run in one line, leaving no temporary file and the last good checkpoint.
 
     python train_checkpoint.py --fake-data --checkpoint-dir checkpoints
     sbatch train_checkpoint.sbatch --fake-data      # resubmit it: it resumes
 """
 
 import argparse
+import atexit
 import contextlib
+import errno
+import fcntl
 import glob
 import hashlib
 import math
@@ -161,7 +166,14 @@ def make_dataset(args):
             torchvision.transforms.Normalize((0.5,) * 3, (0.25,) * 3),
         ]
     )
-    return torchvision.datasets.CIFAR10(args.data_dir, train=True, transform=transform)
+    try:  # torchvision checks the MD5 sum of every file first
+        return torchvision.datasets.CIFAR10(args.data_dir, train=True, transform=transform)
+    except RuntimeError:  # "Dataset not found or corrupted": its advice, download=True, needs
+        fail(  # the internet, which compute nodes rarely reach
+            f"CIFAR-10 in {args.data_dir} is incomplete or damaged (a file fails its checksum, "
+            f"as after an interrupted download): remove {args.data_dir / 'cifar-10-batches-py'} "
+            "and download it again on a login node, or pass --fake-data"
+        )
 
 
 def make_model():
@@ -201,20 +213,70 @@ def ctrl_c_waits():
         previous(signal.SIGINT, None)  # Python's own handler raises KeyboardInterrupt
 
 
-def save_checkpoint(state, folder, steps_done, keep):
-    """Write atomically: a crash leaves the previous checkpoints and at most a .tmp file."""
-    path = folder / f"checkpoint-{steps_done:08d}.pt"
-    temporary = folder / f"{path.name}.tmp"
-    with open(temporary, "wb") as file:
-        torch.save(state, file)
-        file.flush()
-        os.fsync(file.fileno())  # the data is on disk before the file gets its name
-    os.replace(temporary, path)  # atomic: readers see the old file or the new one
-    directory = os.open(folder, os.O_RDONLY)
+def hold(folder):
+    """Refuse a second run on folder (a resubmission while this one runs, array tasks that share
+    it): a lock on folder/.lock, which the system releases when this process ends, however."""
+    lock = open(folder / ".lock", "a+")  # noqa: SIM115  held open until the process ends
+    atexit.register(lock.close)  # keeps it open, and the lock held, until the process exits
+    try:
+        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        if error.errno not in (errno.EACCES, errno.EAGAIN):  # a file system without locks
+            print(f"train_checkpoint.py: warning: cannot lock {folder} ({error.strerror}): "
+                  "make sure no other run uses it", file=sys.stderr)  # fmt: skip
+            return
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        fail(f"{folder} is in use by {holder}: wait for that run to end (or cancel it), or give "
+             "this one another --checkpoint-dir")  # fmt: skip
+    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("JOB_ID") or os.environ.get("PBS_JOBID")
+    lock.truncate(0)
+    lock.write(f"{f'job {job}, ' if job else ''}process {os.getpid()} on {os.uname().nodename}\n")
+    lock.flush()
+
+
+def write_problem(error, folder):
+    """What a failed write means, in words: a full file system or quota, a read-only one."""
+    code = getattr(error, "errno", None)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return "no space left (the file system or your quota is full)"
+    if code == errno.EROFS:
+        return "the file system is read-only"
+    with contextlib.suppress(OSError):  # torch.save reports a short write without the errno
+        if os.statvfs(folder).f_bavail == 0:
+            return "no space left (the file system is full)"
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def save_atomically(state, path, last_good=None):
+    """Write state to path.tmp, sync it and rename it to path: path is complete or absent. A
+    failed write (a full disk, a quota) removes the .tmp file and stops in one line."""
+    temporary = path.with_name(f"{path.name}.tmp")
+    try:
+        with open(temporary, "wb") as file:
+            torch.save(state, file)
+            file.flush()
+            os.fsync(file.fileno())  # the data is on disk before the file gets its name
+        os.replace(temporary, path)  # atomic: readers see the old file or the new one
+    except (OSError, RuntimeError) as error:
+        reason = write_problem(error, path.parent)
+        with contextlib.suppress(OSError):
+            temporary.unlink()  # frees the space it took
+        kept = f"{last_good} is intact" if last_good else "no checkpoint was saved before"
+        fail(f"cannot write {path}: {reason}; {kept}: free some space (df -h, or your centre's "
+             "quota command) and run again")  # fmt: skip
+    directory = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(directory)  # the new name is on disk too
     finally:
         os.close(directory)
+
+
+def save_checkpoint(state, folder, steps_done, keep):
+    """Write atomically: a crash leaves the previous checkpoints and at most a .tmp file."""
+    path = folder / f"checkpoint-{steps_done:08d}.pt"
+    previous = checkpoints(folder)
+    save_atomically(state, path, previous[-1] if previous else None)
     done = [old for old in checkpoints(folder) if number(old) <= steps_done]
     for old in done[:-keep]:  # only once the new one is in place; not the newer ones skipped
         old.unlink()
@@ -322,6 +384,7 @@ def main(argv=None):
     totals = torch.zeros(2, dtype=torch.float64)  # their loss sum and images
     config = {"seed": args.seed, "batch_size": args.batch_size, "samples": len(dataset)}
 
+    hold(args.checkpoint_dir)
     for leftover in args.checkpoint_dir.glob("checkpoint-*.pt.tmp"):
         if leftover.is_file():
             leftover.unlink()  # a write that was interrupted
@@ -390,7 +453,7 @@ def main(argv=None):
         checkpoint(epoch * steps_per_epoch)  # at the start of the next epoch
 
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    torch.save(model.state_dict(), args.output_dir / "model.pt")
+    save_atomically(model.state_dict(), args.output_dir / "model.pt")
     print(f"final weights: sha256 {weights_digest(model)}, saved {args.output_dir / 'model.pt'}")
 
 

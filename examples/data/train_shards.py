@@ -4,7 +4,9 @@ The shards come from make_shards.py. Each process reads its own share of the sha
 DataLoader worker its own share of those, one file after another from start to end: a few
 large sequential reads instead of one open per image. A shuffle buffer mixes the samples of
 the shards it is reading. Read the shards from node-local disk where the job has one (see
-train_shards.sbatch, which copies them there first).
+train_shards.sbatch, which copies them there first). A shard cut short (an interrupted copy, a
+full disk when it was written) stops the run in one line that names it, before any training and
+while reading: no epoch trains on part of the data unnoticed.
 
     python train_shards.py --data-dir shards
     torchrun --standalone --nproc-per-node=2 train_shards.py --data-dir shards
@@ -178,7 +180,23 @@ def list_shards(data_dir):
             f"no shards in {data_dir}: pack the dataset once, on a login node, with "
             f"python make_shards.py --input-dir <image folder> --output-dir {data_dir}"
         )
+    for path in shards:  # one small read each: a complete tar ends in two zero blocks
+        size = path.stat().st_size
+        with open(path, "rb") as file:
+            file.seek(max(size - 1024, 0))
+            end = file.read(1024)
+        if size % 512 or size < 1024 or end.count(0) != 1024:
+            fail(damaged(path, "it does not end as a tar file does"))
     return shards
+
+
+def damaged(path, why):
+    return (f"shard {path} is damaged ({why}): copy it again, or pack the dataset again "
+            "with make_shards.py")  # fmt: skip
+
+
+class DamagedShard(Exception):
+    """A shard that ends too early: raised in a DataLoader worker, reported by main()."""
 
 
 class ShardDataset(torch.utils.data.IterableDataset):
@@ -207,16 +225,31 @@ class ShardDataset(torch.utils.data.IterableDataset):
     def samples(self, files):
         for path in files:
             parts = {}
-            with tarfile.open(path, mode="r|") as tar:  # a stream: one sequential read
-                for member in tar:
-                    key, _, ext = member.name.partition(".")
-                    if parts and key != parts["key"]:
-                        yield decode(parts)
-                        parts = {}
-                    parts["key"] = key
-                    parts[ext] = tar.extractfile(member).read()
+            try:
+                with tarfile.open(path, mode="r|") as tar:  # a stream: one sequential read
+                    for member in tar:
+                        key, _, ext = member.name.partition(".")
+                        if parts and key != parts["key"]:
+                            yield decode(parts)
+                            parts = {}
+                        parts["key"] = key
+                        parts[ext] = tar.extractfile(member).read()  # ReadError if cut
+                    # A stream ends quietly where the data does: check it reached the end.
+                    if tar.offset + 1024 > path.stat().st_size:
+                        raise DamagedShard(damaged(path, "it ends before the end of the archive"))
+            except tarfile.TarError as error:
+                raise DamagedShard(damaged(path, str(error))) from None
             if parts:
                 yield decode(parts)
+
+
+@contextlib.contextmanager
+def reported(kind):
+    """An error of kind, raised here or in a DataLoader worker, ends the run in its own line."""
+    try:
+        yield
+    except kind as error:  # from a worker, its message ends the traceback DataLoader quotes
+        fail(str(error).strip().splitlines()[-1].split(f"{kind.__name__}: ", 1)[-1])
 
 
 def decode(parts):
@@ -303,7 +336,7 @@ def main(argv=None):
         start = time.perf_counter()
         # Shards hold different numbers of images, so the processes may run out of batches at
         # different steps: join() lets those that finish early answer the others' all-reduces.
-        with model.join() if world > 1 else contextlib.nullcontext():
+        with model.join() if world > 1 else contextlib.nullcontext(), reported(DamagedShard):
             for images, labels in loader:
                 images = images.to(device, non_blocking=True)
                 labels = labels.to(device, non_blocking=True)

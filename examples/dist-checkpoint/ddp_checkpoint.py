@@ -8,8 +8,10 @@ next epoch, with the same shuffle and the same random numbers as a run that was 
 The model is saved without DDP's "module." prefix, so the file also loads into a plain model.
 A file that does not load, or is not a checkpoint of this script, is skipped with a warning
 for the one before; a folder with a checkpoint's name is never written into or deleted. A loss
-that is not finite stops every rank before it saves. Rank 0 prints the loss and images/s of
-every epoch and, at the end, a digest of the weights.
+that is not finite stops every rank before it saves. A second run on the same --output-dir is
+refused while the first holds it, and a save that fails (a full disk, a quota) stops every rank
+in one line, leaving no temporary file and the last good checkpoint. Rank 0 prints the loss
+and images/s of every epoch and, at the end, a digest of the weights.
 
     torchrun --standalone --nproc-per-node=2 ddp_checkpoint.py --fake-data --epochs 2
     torchrun --standalone --nproc-per-node=2 ddp_checkpoint.py --fake-data --epochs 4  # resumes
@@ -17,7 +19,11 @@ every epoch and, at the end, a digest of the weights.
 """
 
 import argparse
+import atexit
+import contextlib
 import datetime
+import errno
+import fcntl
 import gc
 import glob
 import hashlib
@@ -211,7 +217,14 @@ def make_dataset(torch, args):
             torchvision.transforms.Normalize((0.5,) * 3, (0.25,) * 3),
         ]
     )
-    return torchvision.datasets.CIFAR10(args.data_dir, train=True, transform=transform)
+    try:  # torchvision checks the MD5 sum of every file first
+        return torchvision.datasets.CIFAR10(args.data_dir, train=True, transform=transform)
+    except RuntimeError:  # "Dataset not found or corrupted": its advice, download=True, needs
+        fail(  # the internet, which compute nodes rarely reach
+            f"CIFAR-10 in {args.data_dir} is incomplete or damaged (a file fails its checksum, "
+            f"as after an interrupted download): remove {args.data_dir / 'cifar-10-batches-py'} "
+            "and download it again on a login node, or pass --fake-data"
+        )
 
 
 def make_model(torch):
@@ -294,16 +307,62 @@ def choose_checkpoint(torch, folder, model, epochs):
     return chosen, None
 
 
-def save_checkpoint(torch, state, folder, keep):
-    """Rank 0 only: write state atomically as epoch-N.pt, then delete all but the last keep."""
+def hold(folder):
+    """Rank 0: lock folder/.lock, which the system releases when this process ends, however; why
+    this run cannot start, or None: a second run on one folder is refused, not mixed in."""
     folder.mkdir(parents=True, exist_ok=True)
+    lock = open(folder / ".lock", "a+")  # noqa: SIM115  held open until the process ends
+    atexit.register(lock.close)  # keeps it open, and the lock held, until the process exits
+    try:
+        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        if error.errno not in (errno.EACCES, errno.EAGAIN):  # a file system without locks
+            print(f"ddp_checkpoint.py: warning: cannot lock {folder} ({error.strerror}): make "
+                  "sure no other run uses it", file=sys.stderr)  # fmt: skip
+            return None
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        return (f"{folder} is in use by {holder}: wait for that run to end (or cancel "
+                      "it), or give this one another --output-dir")  # fmt: skip
+    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("JOB_ID") or os.environ.get("PBS_JOBID")
+    lock.truncate(0)
+    lock.write(f"{f'job {job}, ' if job else ''}process {os.getpid()} on {os.uname().nodename}\n")
+    lock.flush()
+    return None
+
+
+def write_problem(error, folder):
+    """What a failed write means, in words: a full file system or quota, a read-only one."""
+    code = getattr(error, "errno", None)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return "no space left (the file system or your quota is full)"
+    if code == errno.EROFS:
+        return "the file system is read-only"
+    with contextlib.suppress(OSError):  # torch.save reports a short write without the errno
+        if os.statvfs(folder).f_bavail == 0:
+            return "no space left (the file system is full)"
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def save_checkpoint(torch, state, folder, keep):
+    """Rank 0 only: write state atomically as epoch-N.pt, then delete all but the last keep.
+    Returns (the path, None), or (None, why it could not be written) with no .tmp file left."""
     path = folder / f"epoch-{state['epoch']}.pt"
     tmp = folder / f"{path.name}.tmp"  # same folder, so same file system: the rename is atomic
-    with open(tmp, "wb") as file:
-        torch.save(state, file)
-        file.flush()
-        os.fsync(file.fileno())  # the data is on disk before the file gets its name
-    os.replace(tmp, path)  # readers see the old set of files or the new one, never half a file
+    try:
+        with open(tmp, "wb") as file:
+            torch.save(state, file)
+            file.flush()
+            os.fsync(file.fileno())  # the data is on disk before the file gets its name
+        os.replace(tmp, path)  # readers see the old set of files or the new one, never half
+    except (OSError, RuntimeError) as error:
+        reason = write_problem(error, folder)
+        with contextlib.suppress(OSError):
+            tmp.unlink()  # frees the space it took
+        previous = checkpoints(folder)
+        kept = f"{previous[-1]} is intact" if previous else "no checkpoint was saved before"
+        return None, (f"cannot write {path}: {reason}; {kept}: free some space (df -h, or your "
+                      "centre's quota command) and run again")  # fmt: skip
     directory = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(directory)  # the rename itself survives a crash of the node
@@ -312,7 +371,7 @@ def save_checkpoint(torch, state, folder, keep):
     done = [old for old in checkpoints(folder) if number(old) <= state["epoch"]]
     for old in done[:-keep]:  # files only, and not the newer ones skipped on start
         old.unlink()
-    return path
+    return path, None
 
 
 def main(argv=None):
@@ -370,7 +429,9 @@ def main(argv=None):
     optimizer_state, start_epoch = None, 0
     newest = [None, None]  # the file to resume from; why the run cannot start
     if rank == 0:  # skips, with a warning, what does not load or is not of this model
-        newest = list(choose_checkpoint(torch, args.output_dir, model, args.epochs))
+        newest[1] = hold(args.output_dir)
+        if newest[1] is None:
+            newest = list(choose_checkpoint(torch, args.output_dir, model, args.epochs))
     dist.broadcast_object_list(newest, src=0, group=save_group)  # rank 0 decides for all
     if newest[1] is not None:  # every rank stops; no model holds the process group yet
         stop_all(rank, newest[1])
@@ -434,15 +495,20 @@ def main(argv=None):
             print(f"epoch {epoch + 1}: loss {loss_sum / images_seen:.4f}, "
                   f"{images_seen / seconds:.0f} images/s")  # fmt: skip
         # --- checkpoint ---
+        saved = [None]  # why rank 0 could not save; None once the file is complete
         if rank == 0:
             state = {
                 "model": model.module.state_dict(),  # without DDP's "module." prefix
                 "optimizer": optimizer.state_dict(),
                 "epoch": epoch + 1,  # epochs done: the next sampler.set_epoch()
             }
-            path = save_checkpoint(torch, state, args.output_dir, args.keep)
-            print(f"Saved {path}")
-        dist.barrier(group=save_group)  # no rank goes on, or exits, before the file is complete
+            path, saved[0] = save_checkpoint(torch, state, args.output_dir, args.keep)
+            if path is not None:
+                print(f"Saved {path}")
+        # No rank goes on, or exits, before the file is complete; a failed write stops them all.
+        dist.broadcast_object_list(saved, src=0, group=save_group)
+        if saved[0] is not None:
+            stop_all(rank, saved[0])
         # --- end checkpoint ---
 
     if rank == 0 and problem is None:

@@ -8,7 +8,10 @@ the last --keep folders are kept. On start, the newest checkpoint is loaded, and
 it when the number of processes changed; one whose metadata cannot be read, or that another
 script wrote, is skipped with a warning for the one before, and anything else with a
 checkpoint's name is never written into or deleted. A loss that is not finite stops every rank
-before it saves. Rank 0 prints the loss and images/s of every epoch and a digest of the
+before it saves. A second run on the same --output-dir is refused while the first holds it; a
+save that fails (a full disk, a quota) stops every rank in one line, and Ctrl-C or SIGTERM, even
+repeated, during a save takes effect once it is complete: neither leaves a half-written folder.
+Rank 0 prints the loss and images/s of every epoch and a digest of the
 weights. --convert turns a checkpoint into one torch.save file for inference, in a single
 process, without GPU or launcher.
 
@@ -19,7 +22,11 @@ process, without GPU or launcher.
 """
 
 import argparse
+import atexit
+import contextlib
 import datetime
+import errno
+import fcntl
 import gc
 import glob
 import hashlib
@@ -27,6 +34,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
 import time
@@ -232,7 +240,14 @@ def make_dataset(torch, args):
             torchvision.transforms.Normalize((0.5,) * 3, (0.25,) * 3),
         ]
     )
-    return torchvision.datasets.CIFAR10(args.data_dir, train=True, transform=transform)
+    try:  # torchvision checks the MD5 sum of every file first
+        return torchvision.datasets.CIFAR10(args.data_dir, train=True, transform=transform)
+    except RuntimeError:  # "Dataset not found or corrupted": its advice, download=True, needs
+        fail(  # the internet, which compute nodes rarely reach
+            f"CIFAR-10 in {args.data_dir} is incomplete or damaged (a file fails its checksum, "
+            f"as after an interrupted download): remove {args.data_dir / 'cifar-10-batches-py'} "
+            "and download it again on a login node, or pass --fake-data"
+        )
 
 
 def make_model(torch, width, blocks):
@@ -334,17 +349,92 @@ def fsync_folder(path):
         os.close(descriptor)
 
 
+def hold(folder):
+    """Rank 0: lock folder/.lock, which the system releases when this process ends, however; why
+    this run cannot start, or None: a second run on one folder is refused, not mixed in."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = open(folder / ".lock", "a+")  # noqa: SIM115  held open until the process ends
+    atexit.register(lock.close)  # keeps it open, and the lock held, until the process exits
+    try:
+        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        if error.errno not in (errno.EACCES, errno.EAGAIN):  # a file system without locks
+            print(f"fsdp_dcp.py: warning: cannot lock {folder} ({error.strerror}): make sure "
+                  "no other run uses it", file=sys.stderr)  # fmt: skip
+            return None
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        return (f"{folder} is in use by {holder}: wait for that run to end (or cancel "
+                      "it), or give this one another --output-dir")  # fmt: skip
+    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("JOB_ID") or os.environ.get("PBS_JOBID")
+    lock.truncate(0)
+    lock.write(f"{f'job {job}, ' if job else ''}process {os.getpid()} on {os.uname().nodename}\n")
+    lock.flush()
+    for leftover in folder.glob("epoch-*.tmp"):  # a save cut short by SIGKILL or a node crash
+        if leftover.is_dir() and NAME.fullmatch(leftover.name.removesuffix(".tmp")):
+            shutil.rmtree(leftover)
+    return None
+
+
+def write_problem(error, folder):
+    """What a failed write means, in words: a full file system or quota, a read-only one. DCP
+    reports a rank's OSError inside its own exception, as text."""
+    code, text = getattr(error, "errno", None), str(error)
+    if code in (errno.ENOSPC, errno.EDQUOT) or any(
+        words in text for words in ("No space left on device", "Disk quota exceeded")
+    ):
+        return "no space left (the file system or your quota is full)"
+    if code == errno.EROFS or "Read-only file system" in text:
+        return "the file system is read-only"
+    with contextlib.suppress(OSError):  # a short write can come without the errno
+        if os.statvfs(folder).f_bavail == 0:
+            return "no space left (the file system is full)"
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+@contextlib.contextmanager
+def signals_wait():
+    """Ctrl-C (SIGINT) and SIGTERM during the block, however often they come, take effect once
+    it is over, in the order they came: a save is never cut short by an impatient key."""
+    caught = []
+    previous = {signum: signal.signal(signum, lambda signum, frame: caught.append(signum))
+                for signum in (signal.SIGINT, signal.SIGTERM)}  # fmt: skip
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    for signum in dict.fromkeys(caught):  # once each: SIGINT raises KeyboardInterrupt
+        signal.raise_signal(signum)
+
+
 def save_checkpoint(dcp, dist, state, folder, keep, group):
-    """Every rank writes its shards into epoch-N.tmp; rank 0 renames it to epoch-N."""
+    """Every rank writes its shards into epoch-N.tmp; rank 0 renames it to epoch-N. Returns
+    (the path, None), or (None, why it could not be written) on every rank, with no .tmp left."""
     path = folder / f"epoch-{state['epoch']}"
     tmp = folder / f"{path.name}.tmp"
     if dist.get_rank() == 0:
-        folder.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # left over by a run killed while saving
     dist.barrier(group=group)
     # Each rank writes and fsyncs its own files; rank 0 then writes .metadata. dcp.save returns
-    # on every rank only after that, so the folder is complete when it returns.
-    dcp.save(state, checkpoint_id=tmp, process_group=group)
+    # on every rank only after that, so the folder is complete when it returns; when a rank's
+    # write fails, it raises on every rank.
+    problem = None
+    try:
+        dcp.save(state, checkpoint_id=tmp, process_group=group)
+    except (Exception, dcp.CheckpointException) as error:  # a BaseException: Ctrl-C's kin
+        problem = write_problem(error, folder)  # a full disk, a quota
+    problems = [None] * dist.get_world_size(group)
+    dist.all_gather_object(problems, problem, group=group)  # every rank learns of any failure
+    if problem := next((p for p in problems if p is not None), None):
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # frees the space it took
+            done = [p for p in named_like_checkpoints(folder) if is_checkpoint(p)]
+            kept = f"{done[-1]} is intact" if done else "no checkpoint was saved before"
+            problem = (f"cannot write {path}: {problem}; {kept}: free some space (df -h, or your "
+                       "centre's quota command) and run again")  # fmt: skip
+        dist.barrier(group=group)  # the folder is gone before any rank stops
+        return None, problem
     if dist.get_rank() == 0:
         fsync_folder(tmp)  # the names of the shard files
         if path.exists():
@@ -355,7 +445,7 @@ def save_checkpoint(dcp, dist, state, folder, keep, group):
         for old in [p for p in done if is_checkpoint(p)][:-keep]:  # never anything else
             shutil.rmtree(old)
     dist.barrier(group=group)  # no rank goes on, or exits, before the rename
-    return path
+    return path, None
 
 
 def load_checkpoint(dcp, get_state_dict, set_state_dict, model, optimizer, path, group):
@@ -462,7 +552,9 @@ def main(argv=None):
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=args.save_timeout))
     newest = [None, None]  # the checkpoint to resume from; why the run cannot start
     if rank == 0:  # skips, with a warning, what cannot be read or another script wrote
-        newest = list(choose_checkpoint(dcp, args.output_dir, args.epochs))
+        newest[1] = hold(args.output_dir)
+        if newest[1] is None:
+            newest = list(choose_checkpoint(dcp, args.output_dir, args.epochs))
     dist.broadcast_object_list(newest, src=0, group=group)  # rank 0 decides, all ranks agree
     if newest[1] is not None:  # every rank stops; no model holds the process group yet
         stop_all(rank, newest[1])
@@ -533,9 +625,12 @@ def main(argv=None):
         model_state, optimizer_state = get_state_dict(model, optimizer)  # shards, no copies
         state = {"model": model_state, "optimizer": optimizer_state, "epoch": epoch + 1,
                  "world": world}  # fmt: skip
-        path = save_checkpoint(dcp, dist, state, args.output_dir, args.keep, group)
-        if rank == 0:
-            print(f"Saved {path}")
+        with signals_wait():  # Ctrl-C, even twice, cannot leave a half-written folder
+            path, problem = save_checkpoint(dcp, dist, state, args.output_dir, args.keep, group)
+            if problem is not None:  # every rank: the process group is still whole
+                stop_all(rank, problem)
+            if rank == 0:
+                print(f"Saved {path}")
         # --- end checkpoint ---
 
     digest = sharded_digest(torch, model)

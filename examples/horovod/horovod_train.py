@@ -158,7 +158,14 @@ def make_dataset(torch, args):
             torchvision.transforms.Normalize((0.5,) * 3, (0.25,) * 3),
         ]
     )
-    return torchvision.datasets.CIFAR10(args.data_dir, train=True, transform=transform)
+    try:  # torchvision checks the MD5 sum of every file first
+        return torchvision.datasets.CIFAR10(args.data_dir, train=True, transform=transform)
+    except RuntimeError:  # "Dataset not found or corrupted": its advice, download=True, needs
+        fail(  # the internet, which compute nodes rarely reach
+            f"CIFAR-10 in {args.data_dir} is incomplete or damaged (a file fails its checksum, "
+            f"as after an interrupted download): remove {args.data_dir / 'cifar-10-batches-py'} "
+            "and download it again on a login node, or pass --fake-data"
+        )
 
 
 def make_model(torch):

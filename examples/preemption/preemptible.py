@@ -9,13 +9,19 @@ of every epoch. On start it resumes from the checkpoint it finds there, in the m
 epoch if need be, and stops after exactly --epochs epochs, however often it was interrupted.
 On CPU, a resumed run ends with the same weights, bit for bit, as an uninterrupted one. A file
 it cannot resume from, or a loss that is not finite, stops it with one line, and it never
-replaces a folder that has the checkpoint's name.
+replaces a folder that has the checkpoint's name. A second run on the same --checkpoint-dir is
+refused while the first holds it, and a save that fails (a full disk, a quota) stops the run in
+one line, leaving the last checkpoint as it was and no temporary file.
 
     python preemptible.py --fake-data --checkpoint-dir checkpoints
     sbatch preemptible.sbatch --fake-data
 """
 
 import argparse
+import atexit
+import contextlib
+import errno
+import fcntl
 import glob
 import hashlib
 import math
@@ -148,17 +154,61 @@ def ignore_sigterm(worker_id):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def hold(folder):
+    """Refuse a second run on folder (a resubmission while this one runs, array tasks that share
+    it): a lock on folder/.lock, which the system releases when this process ends, however."""
+    lock = open(folder / ".lock", "a+")  # noqa: SIM115  held open until the process ends
+    atexit.register(lock.close)  # keeps it open, and the lock held, until the process exits
+    try:
+        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as error:
+        if error.errno not in (errno.EACCES, errno.EAGAIN):  # a file system without locks
+            print(f"preemptible.py: warning: cannot lock {folder} ({error.strerror}): make "
+                  "sure no other run uses it", file=sys.stderr)  # fmt: skip
+            return
+        lock.seek(0)
+        holder = lock.read().strip() or "another process"
+        fail(f"{folder} is in use by {holder}: wait for that run to end (or cancel it), or give "
+             "this one another --checkpoint-dir")  # fmt: skip
+    job = os.environ.get("SLURM_JOB_ID") or os.environ.get("JOB_ID") or os.environ.get("PBS_JOBID")
+    lock.truncate(0)
+    lock.write(f"{f'job {job}, ' if job else ''}process {os.getpid()} on {os.uname().nodename}\n")
+    lock.flush()
+
+
+def write_problem(error, folder):
+    """What a failed write means, in words: a full file system or quota, a read-only one."""
+    code = getattr(error, "errno", None)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return "no space left (the file system or your quota is full)"
+    if code == errno.EROFS:
+        return "the file system is read-only"
+    with contextlib.suppress(OSError):  # torch.save reports a short write without the errno
+        if os.statvfs(folder).f_bavail == 0:
+            return "no space left (the file system is full)"
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
 def save_checkpoint(torch, state, path):
     """Write a temporary file, force it to disk, then rename it over the old checkpoint.
 
     The rename is atomic: a job killed at any moment leaves the old checkpoint or the new
-    one, never half a file."""
+    one, never half a file. A failed write (a full disk, a quota) removes the temporary file
+    and stops in one line."""
     temporary = path.with_name(path.name + ".tmp")
-    with open(temporary, "wb") as file:
-        torch.save(state, file)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
+    try:
+        with open(temporary, "wb") as file:
+            torch.save(state, file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except (OSError, RuntimeError) as error:
+        reason = write_problem(error, path.parent)
+        with contextlib.suppress(OSError):
+            temporary.unlink()  # frees the space it took
+        kept = f"{path} is as it was" if path.exists() else "no checkpoint was saved before"
+        fail(f"cannot write {path}: {reason}; {kept}: free some space (df -h, or your centre's "
+             "quota command) and run again")  # fmt: skip
     folder = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(folder)  # the rename itself reaches the disk
@@ -219,7 +269,14 @@ def make_dataset(torch, args):
             torchvision.transforms.Normalize((0.5,) * 3, (0.25,) * 3),
         ]
     )  # no random augmentation: a resumed epoch sees exactly the same images
-    return torchvision.datasets.CIFAR10(args.data_dir, train=True, transform=transform)
+    try:  # torchvision checks the MD5 sum of every file first
+        return torchvision.datasets.CIFAR10(args.data_dir, train=True, transform=transform)
+    except RuntimeError:  # "Dataset not found or corrupted": its advice, download=True, needs
+        fail(  # the internet, which compute nodes rarely reach
+            f"CIFAR-10 in {args.data_dir} is incomplete or damaged (a file fails its checksum, "
+            f"as after an interrupted download): remove {args.data_dir / 'cifar-10-batches-py'} "
+            "and download it again on a login node, or pass --fake-data"
+        )
 
 
 def make_model(torch):
@@ -241,6 +298,7 @@ def weights_digest(model):
 def train(torch, args, model, optimizer, dataset, device, stop):
     """The training loop: resume, then look for a stop signal after every step."""
     path = args.checkpoint_dir / "checkpoint.pt"
+    hold(args.checkpoint_dir)
     for entry in (path, path.with_name(path.name + ".tmp")):  # what every save writes
         if entry.is_dir():
             fail(f"{entry} is a folder, and this run would write a checkpoint file there: "
