@@ -6,11 +6,12 @@ The job scripts run as real job arrays with a dependent job under the tests' Slu
 
 import csv
 import json
+import shlex
 import sys
 
 import pytest
 
-from conftest import EXAMPLES, example_env, run
+from conftest import EXAMPLES, copy_example, example_env, run
 
 ARRAYS = EXAMPLES / "arrays"
 MAKE = ARRAYS / "make_sweep.py"
@@ -32,7 +33,8 @@ def test_a_grid_has_every_combination_and_says_how_to_submit_it(sweep):
     assert [(r["lr"], r["batch_size"]) for r in rows] == [
         ("0.1", "32"), ("0.1", "128"), ("0.01", "32"), ("0.01", "128")]  # fmt: skip
     assert "Wrote 4 configurations to sweep.csv" in out
-    assert "sbatch --array=0-3%2 sweep.sbatch" in out and "qsub -t 1-4 -tc 2 sweep.qsub" in out
+    assert "MAX_RUNNING=2 bash submit_sweep.sh     (--array=0-3%2)" in out
+    assert "MAX_RUNNING=2 bash submit_sweep_ge.sh  (-t 1-4 -tc 2)" in out
 
 
 def test_random_draws_stay_in_the_range_and_repeat_with_the_seed(tmp_path):
@@ -69,37 +71,121 @@ def test_each_task_trains_its_row_and_the_table_ranks_them(sweep):
     assert not list((folder / "results").glob(".*.tmp"))  # written through a rename
 
 
-def test_collecting_names_the_tasks_without_a_result(sweep):
+def test_collecting_names_each_task_without_a_valid_result(sweep):
+    """One line per task: missing, or unreadable (a task killed while writing it elsewhere);
+    the valid results are still ranked, and the exit status says the table is incomplete."""
     folder, _ = sweep
     run([sys.executable, TRAIN, "--task", "1", "--epochs", "1"], cwd=folder)
+    (folder / "results" / "task-2.json").write_text('{"task": 2, "lr"')
     proc = run([sys.executable, COLLECT], cwd=folder, expect_rc=1)
-    assert proc.stderr == "collect_results.py: error: no result from task(s) 0,2,3 in results\n"
+    lines = proc.stderr.splitlines()
+    assert lines[0] == "collect_results.py: task 0: no result (results/task-0.json)", proc.stderr
+    assert lines[1].startswith(
+        "collect_results.py: task 2: unreadable result results/task-2.json: "
+    )
+    assert lines[2:] == [
+        "collect_results.py: task 3: no result (results/task-3.json)",
+        "collect_results.py: error: 3 of 4 tasks have no valid result in results: rerun rows 0,2,3",
+    ], proc.stderr
     assert "Best: task 1 " in proc.stdout
 
 
-@pytest.mark.parametrize(
-    ("args", "env", "message"),
-    [
-        ([], {}, "not an array task: pass --task N, or submit with sbatch --array / qsub -t"),
-        (["--task", "4"], {}, "task 4, but sweep.csv has 4 rows (tasks 0 to 3)"),
-        ([], {"SLURM_ARRAY_TASK_ID": "x"}, "SLURM_ARRAY_TASK_ID='x' is not a task number"),
-        ([], {"SGE_TASK_ID": "0"}, "SGE_TASK_ID='0' is not a task number"),
-    ],
-)  # fmt: skip
-def test_bad_task_is_one_line(sweep, args, env, message):
-    folder, _ = sweep
-    proc = run([sys.executable, TRAIN, *args], cwd=folder, env=example_env(**env), expect_rc=1)
-    assert proc.stderr == f"sweep_train.py: error: {message}\n"
+def test_a_result_of_another_configuration_is_refused(tmp_path):
+    """A task-1.json left from an earlier sweep (lr 0.01) where the sweep now has lr 0.05 in
+    row 1: refused, not ranked, and the collection fails."""
+    make = [sys.executable, MAKE, "--batch-size", "32", "--lr"]
+    run([*make, "0.1", "0.01"], cwd=tmp_path)
+    for task in (0, 1):
+        run([sys.executable, TRAIN, "--task", task, "--epochs", "1"], cwd=tmp_path)
+    run([*make, "0.1", "0.05"], cwd=tmp_path)  # the sweep file rewritten since: row 1 differs
+    proc = run([sys.executable, COLLECT], cwd=tmp_path, expect_rc=1)
+    assert proc.stderr.splitlines() == [
+        "collect_results.py: task 1: results/task-1.json is the result of task=1, lr=0.01, "
+        "batch_size=32, seed=0, not of its row: task=1, lr=0.05, batch_size=32, seed=0",
+        "collect_results.py: error: 1 of 2 tasks have no valid result in results: rerun rows 1",
+    ], proc.stderr
+    table = [line.split() for line in proc.stdout.splitlines()[1:] if line.startswith(" ")]
+    assert [row[:2] for row in table] == [["0", "0.1"]], proc.stdout
+    assert "Best: task 0 " in proc.stdout
 
 
-@pytest.mark.parametrize("script", [TRAIN, COLLECT], ids=lambda path: path.name)
-def test_a_missing_sweep_file_is_a_usage_error(sweep, script):
-    folder, _ = sweep
-    proc = run([sys.executable, script, "--sweep", "none.csv"], cwd=folder, expect_rc=2)
-    assert proc.stderr.splitlines()[-1] == (
-        f"{script.name}: error: argument --sweep: no sweep file none.csv: write it with "
-        "make_sweep.py first"
+def fake_scheduler(folder, tool):
+    """A stand-in for sbatch or qsub that keeps each submission's arguments (one line each,
+    shell-quoted) and prints a job id: the test then runs the jobs itself, later."""
+    bin_dir = folder / "bin"
+    bin_dir.mkdir()
+    (bin_dir / tool).write_text(
+        '#!/bin/bash\nprintf "%q " "$@" >> submissions; echo >> submissions\n'
+        "echo $((100 + $(wc -l < submissions)))\n"
     )
+    (bin_dir / tool).chmod(0o755)
+    return bin_dir
+
+
+# tool, submit script, array job, collecting job, and what the scheduler gives each array task
+# (for row N of 2) and the collecting job.
+SCHEDULERS = {
+    "slurm": ("sbatch", "submit_sweep.sh", "sweep.sbatch", "collect.sbatch",
+              lambda row: {"SLURM_ARRAY_JOB_ID": "101", "SLURM_ARRAY_TASK_ID": str(row),
+                           "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_MAX": "1",
+                           "SLURM_CPUS_PER_TASK": "2"},
+              {"SLURM_JOB_ID": "102"}),
+    "gridengine": ("qsub", "submit_sweep_ge.sh", "sweep.qsub", "collect.qsub",
+                   lambda row: {"JOB_ID": "101", "SGE_TASK_ID": str(row + 1),
+                                "SGE_TASK_FIRST": "1", "SGE_TASK_LAST": "2", "NSLOTS": "2"},
+                   {"JOB_ID": "102"}),
+}  # fmt: skip
+
+
+def exported(arguments):
+    """The variables a submission passes to its job: --export=ALL,NAME=VALUE,... or -v."""
+    variables = {}
+    for argument, following in zip(arguments, [*arguments[1:], ""], strict=True):
+        if argument.startswith("--export=ALL,"):
+            variables.update(item.split("=", 1) for item in argument[13:].split(","))
+        elif argument == "-v":
+            variables.update(item.split("=", 1) for item in following.split(","))
+    return variables
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+def test_a_sweep_file_rewritten_after_submission_changes_nothing_a_task_runs(
+    scheduler, job_env, tmp_path
+):
+    """The submit script freezes the sweep file for its array: tasks that start after
+    make_sweep.py rewrote sweep.csv (a throttled array's pending tasks) train the rows as
+    submitted, and the collecting job ranks those. The jobs run here, under bash, with what
+    the scheduler would give them; test_slurm.py and test_gridengine.py submit them for real."""
+    tool, submit, array_job, collect_job, task_env, collect_env = SCHEDULERS[scheduler]
+    names = (submit, array_job, collect_job, "sweep_train.py", "collect_results.py")
+    copy_example(tmp_path, *(f"arrays/{name}" for name in names))
+    env = {**job_env, "PATH": f"{fake_scheduler(tmp_path, tool)}:{job_env['PATH']}"}
+    run([sys.executable, MAKE, "--lr", "0.1", "0.01", "--batch-size", "32"], cwd=tmp_path)
+    run(["bash", submit, "--epochs", "1"], cwd=tmp_path, env=env)
+    run([sys.executable, MAKE, "--lr", "0.5", "0.05", "--batch-size", "64"], cwd=tmp_path)
+    lines = (tmp_path / "submissions").read_text().splitlines()
+    submissions = [shlex.split(line) for line in lines]
+    assert [next(a for a in args if a.endswith((".sbatch", ".qsub"))) for args in submissions] == [
+        array_job,
+        collect_job,
+    ], lines
+    sweep_dir = exported(submissions[0])["SWEEP_DIR"]
+    assert [exported(args) for args in submissions] == [{"SWEEP_DIR": sweep_dir}] * 2, lines
+    for row, lr in enumerate(["0.1", "0.01"]):  # the tasks start now, after the rewrite
+        job = {**env, "SWEEP_DIR": sweep_dir, **task_env(row)}
+        out = run(["bash", array_job, "--epochs", "1"], cwd=tmp_path, env=job).stdout
+        assert f"task {row}: lr={lr} batch_size=32 seed=0: " in out, out
+    job = {**env, "SWEEP_DIR": sweep_dir, **collect_env}
+    out = run(["bash", collect_job], cwd=tmp_path, env=job).stdout
+    table = sorted(line.split()[:3] for line in out.splitlines() if line.startswith(" " * 11))
+    assert table == [["0", "0.1", "32"], ["1", "0.01", "32"]], out
+    assert (tmp_path / sweep_dir / "summary.csv").is_file()
+    # Without the frozen folder, the job scripts refuse in one line.
+    for script in (array_job, collect_job):
+        proc = run(["bash", script], cwd=tmp_path, env=env, expect_rc=1)
+        assert proc.stderr == (
+            f"{script}: no sweep.csv in SWEEP_DIR (unset): submit with {submit}\n"
+        )
 
 
 def test_a_diverging_configuration_fails_its_task(sweep):
@@ -107,4 +193,15 @@ def test_a_diverging_configuration_fails_its_task(sweep):
     (folder / "sweep.csv").write_text("lr,batch_size,seed\n1e6,32,0\n")
     proc = run([sys.executable, TRAIN, "--task", "0", "--epochs", "1"], cwd=folder, expect_rc=1)
     assert "the loss is nan; this lr (1000000.0) is too high" in proc.stderr
+    assert not (folder / "results" / "task-0.json").exists()
+
+
+def test_a_failed_rerun_leaves_no_earlier_result_in_its_place(sweep):
+    """A task run again in the same folder removes its earlier result first: if the rerun
+    fails, the collection names the task instead of ranking the earlier run."""
+    folder, _ = sweep
+    run([sys.executable, TRAIN, "--task", "0", "--epochs", "1"], cwd=folder)
+    (folder / "sweep.csv").write_text("lr,batch_size,seed\n1e6,32,0\n")
+    proc = run([sys.executable, TRAIN, "--task", "0", "--epochs", "1"], cwd=folder, expect_rc=1)
+    assert "this lr (1000000.0) is too high" in proc.stderr
     assert not (folder / "results" / "task-0.json").exists()

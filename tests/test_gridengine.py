@@ -140,20 +140,36 @@ def test_a_broken_job_script_fails_under_grid_engine(cell_env, tmp_path, script)
     assert "unknown" in output and "Result: PyTorch" not in output, output
 
 
-def test_a_sweep_runs_as_an_array_job_then_one_job_collects_it(cell_env, tmp_path):
-    """submit_sweep_ge.sh: qsub -t 1-4 -tc 2, then qsub -hold_jid. The reader's login
-    environment (MODULEPATH, VENV) reaches both jobs through .sge_request in the folder."""
-    names = ("sweep.qsub", "collect.qsub", "submit_sweep_ge.sh", "make_sweep.py",
-             "sweep_train.py", "collect_results.py")  # fmt: skip
-    copy_example(tmp_path, *(f"arrays/{name}" for name in names))
+SWEEP_NAMES = ("sweep.qsub", "collect.qsub", "submit_sweep_ge.sh", "make_sweep.py",
+               "sweep_train.py", "collect_results.py")  # fmt: skip
+
+
+def submit_sweep(cell_env, tmp_path, *defaults):
+    """submit_sweep_ge.sh on the sweep.csv in tmp_path, with these qsub options by default
+    (.sge_request, as a reader's login environment would give MODULEPATH and VENV):
+    (array id, collect id, the sweep's own folder)."""
     variables = ",".join(f"{name}={cell_env[name]}" for name in ("MODULEPATH", "VENV"))
-    (tmp_path / ".sge_request").write_text(f"-v {variables}\n")
-    run(["python", "make_sweep.py"], cwd=tmp_path, env=cell_env)
+    (tmp_path / ".sge_request").write_text(
+        f"-v {variables}\n" + "".join(f"{d}\n" for d in defaults)
+    )
     out = run(["bash", "submit_sweep_ge.sh", "--epochs", "1"], cwd=tmp_path,
               env={**cell_env, "MAX_RUNNING": "2"}).stdout  # fmt: skip
-    ids = re.search(r"^Submitted array job (\d+) \(4 tasks\) and collect job (\d+) ", out, re.M)
-    assert ids, out
-    array, collect = ids[1], ids[2]
+    ids = re.search(r"^Submitted array job (\d+) \(\d tasks\) and collect job (\d+) ", out, re.M)
+    folder = re.search(r"^Sweep and results in (sweeps/[\w-]+); ", out, re.M)
+    assert ids and folder, out
+    return ids[1], ids[2], folder[1]
+
+
+def test_a_sweep_runs_as_an_array_job_then_one_job_collects_it(cell_env, tmp_path):
+    """submit_sweep_ge.sh: qsub -t 1-4 -tc 2, then qsub -hold_jid. Submitted held (-h), and
+    released once make_sweep.py has rewritten sweep.csv with other values: every task trains
+    its row as submitted, from the sweep's own folder."""
+    copy_example(tmp_path, *(f"arrays/{name}" for name in SWEEP_NAMES))
+    run(["python", "make_sweep.py"], cwd=tmp_path, env=cell_env)
+    array, collect, sweep_dir = submit_sweep(cell_env, tmp_path, "-h")
+    run(["python", "make_sweep.py", "--lr", "0.5", "0.05", "--batch-size", "64", "256"],
+        cwd=tmp_path, env=cell_env)  # fmt: skip
+    run(["qrls", array, collect], cwd=tmp_path, env=cell_env)
     record = wait_for(collect, cell_env, timeout=180)
     output = (tmp_path / f"collect.o{collect}").read_text()
     assert (record["failed"], record["exit_status"]) == ("0", "0"), output
@@ -163,6 +179,29 @@ def test_a_sweep_runs_as_an_array_job_then_one_job_collects_it(cell_env, tmp_pat
         out = (tmp_path / f"sweep.o{array}.{task}").read_text()
         assert f"Job {array}, task {task} of 1-4 on " in out, out
         assert f"task {task - 1}: lr=" in out, out
+    assert (tmp_path / sweep_dir / "summary.csv").is_file()
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_failed_task_is_named_although_an_earlier_sweep_left_a_result(cell_env, tmp_path):
+    """-hold_jid starts the collecting job after a failed task too. A results/task-1.json
+    from an earlier sweep (another lr) does not stand in for row 1 of the new one, whose
+    task fails (its loss diverges): the collecting job names it and fails."""
+    copy_example(tmp_path, *(f"arrays/{name}" for name in SWEEP_NAMES))
+    (tmp_path / "sweep.csv").write_text("lr,batch_size,seed\n0.1,32,0\n0.01,32,0\n")
+    run(["python", "sweep_train.py", "--task", "1", "--epochs", "1", "--output-dir", "results"],
+        cwd=tmp_path, env=cell_env)  # fmt: skip
+    (tmp_path / "sweep.csv").write_text("lr,batch_size,seed\n0.1,32,0\n1e6,32,0\n")
+    array, collect, sweep_dir = submit_sweep(cell_env, tmp_path)
+    record = wait_for(collect, cell_env, timeout=180)
+    output = (tmp_path / f"collect.o{collect}").read_text()
+    assert record["exit_status"] != "0", output
+    assert f"collect_results.py: task 1: no result ({sweep_dir}/task-1.json)" in output, output
+    assert (
+        f"collect_results.py: error: 1 of 2 tasks have no valid result in {sweep_dir}: rerun rows 1"
+    ) in output, output
+    failed = (tmp_path / f"sweep.o{array}.2").read_text()
+    assert "the loss is nan; this lr (1000000.0) is too high" in failed, failed
 
 
 def test_site_check_runs_every_job_script_of_the_cell_and_records_it(cell_env, tmp_path):
@@ -193,9 +232,9 @@ def test_site_check_runs_every_job_script_of_the_cell_and_records_it(cell_env, t
     page = re.sub(r"\s+", " ", html.unescape(page))
     page = re.search(r"Scripts on this page: .*? \(How this guide is tested\)", page)[0]
     date = entries["arrays/sweep.qsub"]["date"]
-    assert (
-        f"Verified at the tests' Grid Engine cell on {date}: 1 of 1 job script passed" in page
-    ), page
+    assert f"Verified at the tests' Grid Engine cell on {date}: 1 of 1 job script passed" in page, (
+        page
+    )
 
 
 @pytest.mark.parametrize(

@@ -888,10 +888,11 @@ SWEEP_FILES = tuple(
 )  # fmt: skip
 
 
-def submit_sweep(cluster, job_env, tmp_path, sweep=None):
-    """make_sweep.py (or the given sweep.csv), then submit_sweep.sh: (array id, collect id)."""
+def submit_sweep(cluster, job_env, tmp_path, sweep=None, **variables):
+    """make_sweep.py (or the given sweep.csv), then submit_sweep.sh with these variables:
+    (array id, collect id, environment, the sweep's own folder)."""
     copy_example(tmp_path, *SWEEP_FILES)
-    env = {**job_env_for(cluster, job_env), "MAX_RUNNING": "2"}
+    env = {**job_env_for(cluster, job_env), "MAX_RUNNING": "2", **variables}
     if sweep is None:
         run([sys.executable, "make_sweep.py", "--lr", "0.1", "0.01", "--batch-size", "32", "128"],
             cwd=tmp_path, env=env)  # fmt: skip
@@ -899,12 +900,18 @@ def submit_sweep(cluster, job_env, tmp_path, sweep=None):
         (tmp_path / "sweep.csv").write_text(sweep)
     out = run(["bash", "submit_sweep.sh", "--epochs", "1"], cwd=tmp_path, env=env).stdout
     ids = re.search(r"^Submitted array job (\d+) \(4 tasks\) and collect job (\d+) ", out, re.M)
-    assert ids, out
-    return ids[1], ids[2], env
+    folder = re.search(r"^Sweep and results in (sweeps/[\w-]+); ", out, re.M)
+    assert ids and folder, out
+    return ids[1], ids[2], env, folder[1]
 
 
 def test_a_sweep_runs_as_a_throttled_array_then_one_job_collects_it(cluster, job_env, tmp_path):
-    array, collect, env = submit_sweep(cluster, job_env, tmp_path)
+    """Submitted held (SBATCH_HOLD), and released once make_sweep.py has rewritten sweep.csv
+    with other values: every task trains its row as submitted, from the sweep's own folder."""
+    array, collect, env, sweep_dir = submit_sweep(cluster, job_env, tmp_path, SBATCH_HOLD="1")
+    run([sys.executable, "make_sweep.py", "--lr", "0.5", "0.05", "--batch-size", "64", "256"],
+        cwd=tmp_path, env=env)  # fmt: skip
+    run(["scontrol", "release", f"{array},{collect}"], cwd=tmp_path, env=env)
     info = wait_for(collect, env, timeout=240)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), info["output"]
     assert info["Dependency"] == "(null)" or array in info["Dependency"]
@@ -918,13 +925,17 @@ def test_a_sweep_runs_as_a_throttled_array_then_one_job_collects_it(cluster, job
         assert f"task {task}: lr=" in out, out
     throttle = run(["scontrol", "show", "job", array], cwd=tmp_path, env=env).stdout
     assert "ArrayTaskThrottle=2" in throttle, throttle
+    summary = (tmp_path / sweep_dir / "summary.csv").read_text().splitlines()
+    assert summary[0].startswith("task,lr,") and len(summary) == 5, summary
+    assert sorted(line.split(",")[1] for line in summary[1:]) == ["0.01", "0.01", "0.1", "0.1"]
+    assert not (tmp_path / "results").exists()
 
 
 def test_a_failed_task_cancels_the_collecting_job(cluster, job_env, tmp_path):
     """afterok is never satisfied when a task fails; --kill-on-invalid-dep=yes cancels the
     collecting job instead of leaving it pending for ever."""
     sweep = "lr,batch_size,seed\n0.1,32,0\n0.1,64,0\nnot-a-number,32,0\n0.01,32,0\n"
-    array, collect, env = submit_sweep(cluster, job_env, tmp_path, sweep)
+    array, collect, env, sweep_dir = submit_sweep(cluster, job_env, tmp_path, sweep)
     deadline = time.monotonic() + 120
     while (info := job_info(collect, env))["JobState"] not in FINISHED:
         assert time.monotonic() < deadline, info
@@ -932,7 +943,7 @@ def test_a_failed_task_cancels_the_collecting_job(cluster, job_env, tmp_path):
     assert info["JobState"] == "CANCELLED", info
     assert not (tmp_path / f"collect-{collect}.out").exists()
     failed = (tmp_path / f"sweep-{array}_2.out").read_text()
-    assert "sweep_train.py: error: row 2 of sweep.csv needs lr, batch_size and seed" in failed
+    assert f"sweep_train.py: error: row 2 of {sweep_dir}/sweep.csv needs lr, batch_size " in failed
 
 
 def test_dump_stacks_shows_where_each_rank_of_a_hung_job_waits(cluster, job_env, tmp_path):

@@ -1,16 +1,20 @@
 """Collect the results of a sweep into one table, best first, once every task has written.
 
-Reads <results>/task-<N>.json for every row of the sweep file, prints a table sorted by
-validation loss and writes it to <results>/summary.csv. A task without a result is named, and
-the exit status is 1: rerun that task alone (sbatch --array=N sweep.sbatch) and collect again.
+Reads <results>/task-<N>.json for every row of the sweep file and checks that each result is
+that row's: same task, learning rate, batch size and seed. It prints a table of the valid
+results sorted by validation loss and writes it to <results>/summary.csv. Each task without a
+valid result (missing, unreadable, or another row's) gets one line on stderr, and the exit
+status is 1: rerun that task alone in the sweep's folder (as sweep.sbatch and sweep.qsub say)
+and collect again.
 
     python collect_results.py --sweep sweep.csv --results results
-    sbatch --dependency=afterok:<array job id> collect.sbatch   # after every task succeeded
+    bash submit_sweep.sh     # Slurm: collect.sbatch runs it with SWEEP_DIR, after every task
 """
 
 import argparse
 import csv
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -51,14 +55,15 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     with args.sweep.open(newline="", encoding="utf-8") as handle:
-        tasks = range(len(list(csv.DictReader(handle))))
-    results, missing = [], []
-    for task in tasks:
-        path = args.results / f"task-{task}.json"
-        try:
-            results.append(json.loads(path.read_text(encoding="utf-8")))
-        except (OSError, ValueError):
-            missing.append(task)
+        rows = list(csv.DictReader(handle))
+    results, problems = [], []
+    for task, row in enumerate(rows):
+        result, problem = check(args.results / f"task-{task}.json", task, row)
+        if problem:
+            problems.append(task)
+            print(f"collect_results.py: task {task}: {problem}", file=sys.stderr)
+        else:
+            results.append(result)
     results.sort(key=lambda result: result["val_loss"])
     print(" ".join(f"{name:>12}" for name in COLUMNS))
     for result in results:
@@ -71,9 +76,39 @@ def main(argv=None):
         best = results[0]
         print(f"Best: task {best['task']} (lr={best['lr']}, batch_size={best['batch_size']}), "
               f"val_loss {best['val_loss']}; table in {args.results / 'summary.csv'}")  # fmt: skip
-    if missing:
-        sys.exit(f"collect_results.py: error: no result from task(s) "
-                 f"{','.join(map(str, missing))} in {args.results}")  # fmt: skip
+    if problems:
+        rerun = ",".join(map(str, problems))
+        sys.exit(f"collect_results.py: error: {len(problems)} of {len(rows)} tasks have no "
+                 f"valid result in {args.results}: rerun rows {rerun}")  # fmt: skip
+
+
+def check(path, task, row):
+    """(the result, None) when path holds the result of this row, else (None, why not)."""
+    try:
+        wanted = {"task": task, "lr": float(row["lr"]), "batch_size": int(row["batch_size"]),
+                  "seed": int(row["seed"])}  # fmt: skip
+    except (KeyError, TypeError, ValueError):
+        return None, f"its row is not a configuration (lr, batch_size, seed): {row}"
+    if not path.exists():
+        return None, f"no result ({path})"
+    try:
+        result = json.loads(path.read_text(encoding="utf-8"))
+        got = {name: result[name] for name in wanted}
+        loss = result["val_loss"]
+    except KeyError as error:
+        return None, f"incomplete result {path}: no {error}"
+    except (OSError, ValueError, TypeError) as error:
+        return None, f"unreadable result {path}: {error}"
+    if got != wanted:
+        return None, (f"{path} is the result of {describe(got)}, not of its row: "
+                      f"{describe(wanted)}")  # fmt: skip
+    if isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss):
+        return None, f"no validation loss in {path}: {loss!r}"
+    return result, None
+
+
+def describe(config):
+    return ", ".join(f"{name}={value}" for name, value in config.items())
 
 
 if __name__ == "__main__":

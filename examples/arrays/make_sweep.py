@@ -2,8 +2,8 @@
 
 A grid tries every combination of the values given; --random N draws N configurations
 instead, the learning rate log-uniformly between the smallest and largest value given. Each
-row gets its own seed (--seeds repeats every configuration with several seeds). The last line
-printed is the array option to submit with.
+row gets its own seed (--seeds repeats every configuration with several seeds). The last lines
+printed are the commands that submit the sweep, with the array options they use.
 
     python make_sweep.py --lr 0.1 0.01 --batch-size 32 128              # a grid of 4
     python make_sweep.py --lr 0.001 0.3 --batch-size 32 128 --random 8  # 8 random draws
@@ -90,8 +90,11 @@ def main(argv=None):
     except OSError as error:
         sys.exit(f"make_sweep.py: error: cannot write {args.output}: {error.strerror}")
     print(f"Wrote {len(rows)} configurations to {args.output}")
-    print(f"Slurm:       sbatch --array=0-{len(rows) - 1}%{args.max_running} sweep.sbatch")
-    print(f"Grid Engine: qsub -t 1-{len(rows)} -tc {args.max_running} sweep.qsub")
+    # The submit scripts freeze the sweep file for the tasks and size the array from it.
+    print(f"Slurm:       MAX_RUNNING={args.max_running} bash submit_sweep.sh     "
+          f"(--array=0-{len(rows) - 1}%{args.max_running})")  # fmt: skip
+    print(f"Grid Engine: MAX_RUNNING={args.max_running} bash submit_sweep_ge.sh  "
+          f"(-t 1-{len(rows)} -tc {args.max_running})")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -5,11 +5,12 @@ make_sweep.py writes the sweep file, one configuration per row. Each task of a j
 the row with its task number (from the scheduler, or --task) on the same generated data, with
 its own seed, and writes its result to <output-dir>/task-<N>.json, through a temporary file and
 a rename, so that the collecting job never reads half a file. collect_results.py makes the
-table.
+table. The job scripts read the copy of the sweep file frozen for their submission, and write
+beside it: submit_sweep.sh (Slurm) and submit_sweep_ge.sh (Grid Engine) make that folder.
 
     python sweep_train.py --sweep sweep.csv --task 0 --output-dir results
-    sbatch --array=0-3%2 sweep.sbatch          # Slurm: tasks 0 to 3, at most 2 at a time
-    qsub -t 1-4 -tc 2 sweep.qsub               # Grid Engine: tasks 1 to 4 (row = task - 1)
+    bash submit_sweep.sh --epochs 5            # Slurm: sweep.sbatch, then collect.sbatch
+    bash submit_sweep_ge.sh --epochs 5         # Grid Engine: tasks 1 to N (row = task - 1)
 """
 
 import argparse
@@ -157,6 +158,12 @@ def main(argv=None):
     args = parse_args(argv)
     task = task_number(args)
     config = read_row(args.sweep, task)
+    # A result left by an earlier run of this task must not stand for this run if it fails.
+    earlier = args.output_dir / f"task-{task}.json"
+    try:
+        earlier.unlink(missing_ok=True)
+    except OSError as error:
+        fail(f"cannot remove the earlier result {earlier}: {error.strerror}")
     start = time.perf_counter()
     val_loss, accuracy = train(config, args.epochs)
     job = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("JOB_ID") or "local"
