@@ -164,3 +164,66 @@ def test_standin_rejects_what_apptainer_rejects(tmp_path, job_env, image, args, 
     (tmp_path / "no-from.def").write_text("Bootstrap: docker\n\n%post\n    true\n")
     proc = run(["apptainer", *args], cwd=tmp_path, env=job_env, expect_rc=255)
     assert message in proc.stderr and proc.stderr.startswith("FATAL: "), proc.stderr
+
+
+# A python stand-in for %post: `pip list` prints the image's packages, `pip install` records
+# PIP_CONSTRAINT and the arguments it was given.
+FAKE_PYTHON = """#!/bin/sh
+if [ "$*" = "-m pip list --format=freeze" ]; then
+    printf 'numpy==1.26.4\\ntorch==2.9.0a0+145a3a7bda.nv25.10\\ntorchvision==0.24.0a0+nv25.10\\n'
+else
+    echo "PIP_CONSTRAINT=$PIP_CONSTRAINT $*" >> "$PIP_LOG"
+fi
+"""
+
+
+@pytest.mark.parametrize("nvidia_file", [True, False], ids=["ngc-25.03-and-later", "older"])
+def test_post_keeps_nvidias_constraints_and_adds_the_images_pytorch(tmp_path, nvidia_file):
+    """NGC images since 25.03 pin every package of the image in /etc/pip/constraint.txt. %post
+    keeps those pins and adds the image's torch builds; before, it replaced the file's pins by
+    these three alone. %post runs here with its two paths moved under tmp_path."""
+    _, sections = parse_definition(DEFINITION.read_text(encoding="utf-8"))
+    post = sections["%post"]
+    assert post.count("/etc/pip/constraint.txt") >= 1 and post.count("/opt/constraints.txt") >= 3
+    nvidia, ours = tmp_path / "etc" / "pip" / "constraint.txt", tmp_path / "opt" / "constraints.txt"
+    nvidia.parent.mkdir(parents=True)
+    ours.parent.mkdir()
+    # NVIDIA's pins; its last line without a newline, so a plain append would join two lines.
+    nvidia_pins = ["numpy==1.26.4", "packaging==25.0", "torch==2.9.0a0+145a3a7bda.nv25.10"]
+    if nvidia_file:
+        nvidia.write_text("\n".join(nvidia_pins))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text(FAKE_PYTHON)
+    (bin_dir / "python").chmod(0o755)
+    script = tmp_path / "post.sh"
+    script.write_text(
+        post.replace("/etc/pip/constraint.txt", str(nvidia)).replace(
+            "/opt/constraints.txt", str(ours)
+        )
+    )
+    log = tmp_path / "pip.log"
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "PIP_LOG": str(log)}
+    out = run(["sh", script], cwd=tmp_path, env=env).stdout
+    pins = ours.read_text().splitlines()
+    ours_torch = ["torch==2.9.0a0+145a3a7bda.nv25.10", "torchvision==0.24.0a0+nv25.10"]
+    assert pins == ((nvidia_pins if nvidia_file else []) + ours_torch), pins
+    assert f"{len(pins)} constraints for pip" in out, out
+    assert log.read_text() == (
+        f"PIP_CONSTRAINT={ours} -m pip install --no-cache-dir lightning==2.6.6\n"
+    )
+
+
+def test_the_image_release_is_the_site_choice_with_a_cuda_12_one_named():
+    """The NGC release is chosen by the nodes' driver: 25.10 (CUDA 13.0) needs a release-580
+    driver, so the definition's site-specific block holds the From line and names the CUDA 12
+    release for older drivers; the page says the same."""
+    text = DEFINITION.read_text(encoding="utf-8")
+    block = re.search(r"^# --- Site-specific.*?\n(.*?)^# -{20,}$", text, re.S | re.M)
+    assert block, "no site-specific block in pytorch.def"
+    header, _ = parse_definition(block[1])
+    assert header["from"] == parse_definition(text)[0]["from"]  # the one From line is there
+    assert re.search(r"CUDA 13\.0.*580", block[1], re.S), block[1]
+    assert "From: nvcr.io/nvidia/pytorch:25.06-py3" in block[1]  # the CUDA 12 release, named
+    page = (EXAMPLES.parent / "source" / "getting-started" / "containers.md").read_text()
+    assert "`nvcr.io/nvidia/pytorch:25.06-py3`" in page and "release 580 or newer" in page

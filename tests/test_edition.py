@@ -646,3 +646,22 @@ def test_a_centres_pages_build_strictly_with_its_scripts(tmp_path, name):
     conda_gone = f"{site.name} does not allow this: see the other ways on this page." in install
     assert conda_gone == (site.get("environment.conda") is False)
     assert ("conda shell.bash hook" in install) != conda_gone
+
+
+@pytest.mark.parametrize("name", [*SITES, "minimal"])
+def test_the_conda_route_installs_the_sites_pytorch_build_as_the_venv_route(editions, name):
+    """make_conda_env.sh gets the site file's pytorch.build (and index) as make_venv.sh does;
+    before, a conda user of a centre with R535-R570 drivers got the CUDA 13 wheel."""
+    site, folder, _changed = editions[name]
+    if "install/make_conda_env.sh" in omitted(site):
+        pytest.skip(f"{name} does not allow conda: its edition has no make_conda_env.sh")
+    build = site.get("pytorch.build")
+
+    def assignments(script):
+        text = (folder / "install" / script).read_text()
+        return re.findall(r"^(TORCH_(?:BUILD|INDEX)=\S+)", text, re.M)
+
+    conda, venv = assignments("make_conda_env.sh"), assignments("make_venv.sh")
+    assert conda == venv and len(conda) == 2, (conda, venv)
+    default = "TORCH_BUILD=${TORCH_BUILD:-default}"
+    assert conda[0] == (default if build == "default" else f"TORCH_BUILD=${{TORCH_BUILD:-{build}}}")

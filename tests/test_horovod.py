@@ -286,15 +286,19 @@ def test_a_gpu_build_needs_a_cuda_torch():
     )
 
 
-def cuda_wheel_venv(tmp_path, cuda):
+def cuda_wheel_venv(tmp_path, cuda, arch_flags="sm_80 sm_90 compute_90", gpu_visible=True):
     """A venv whose python imports a stand-in CUDA torch, with the nvidia-nccl files beside it
-    as pip installs them (include/nccl.h, lib/libnccl.so.2)."""
+    as pip installs them (include/nccl.h, lib/libnccl.so.2). As in torch, the build's list of
+    architectures comes from torch._C._cuda_getArchFlags(), and torch.cuda.get_arch_list()
+    is that list only where a GPU is visible, else []."""
     site = tmp_path / "site"
     (site / "torch").mkdir(parents=True)
+    visible_archs = arch_flags.split() if gpu_visible else []
     (site / "torch" / "__init__.py").write_text(
         "from types import SimpleNamespace\n"
         f"version = SimpleNamespace(cuda={cuda!r})\n"
-        "cuda = SimpleNamespace(get_arch_list=lambda: ['sm_80', 'sm_90', 'compute_90'])\n"
+        f"_C = SimpleNamespace(_cuda_getArchFlags=lambda: {arch_flags!r})\n"
+        f"cuda = SimpleNamespace(get_arch_list=lambda: {visible_archs!r})\n"
     )
     nccl = site / "nvidia" / "nccl"
     for name in ("include/nccl.h", "lib/libnccl.so.2"):
@@ -363,3 +367,32 @@ def test_the_job_script_without_horovod_in_the_venv_says_how_to_install_it(job_e
         f"horovod.sbatch: error: no horovodrun in {env['VENV']}: install Horovod there with "
         "install_horovod.sh --gpu"
     ], proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("arch_flags", "cc_list"),
+    [
+        ("sm_80 sm_90 compute_90", "80,90"),
+        ("sm_75 sm_80 sm_90 sm_90a sm_100 sm_120", "75,80,90,100,120"),
+    ],
+)
+def test_a_gpu_build_on_a_login_node_takes_the_architectures_of_the_build(
+    tmp_path, arch_flags, cc_list
+):
+    """No GPU is visible on a login node, where the page builds: torch.cuda.get_arch_list() is
+    [] there. The list comes from the build itself; before, the script exported an empty
+    HOROVOD_BUILD_CUDA_CC_LIST and Horovod's build stopped on int('')."""
+    venv, _ = cuda_wheel_venv(tmp_path, "12.8", arch_flags=arch_flags, gpu_visible=False)
+    out = install(venv, "--gpu", "--print-env").stdout
+    value = re.search(r"^HOROVOD_BUILD_CUDA_CC_LIST=(.*)$", out, re.M)[1]
+    assert value == cc_list, out
+    assert [int(cc) for cc in value.split(",")]  # as Horovod's cmake/build_utils.py reads it
+
+
+def test_a_gpu_build_of_a_torch_without_architectures_stops_in_one_line(tmp_path):
+    venv, _ = cuda_wheel_venv(tmp_path, "12.8", arch_flags="", gpu_visible=False)
+    proc = install(venv, "--gpu", "--print-env", expect_rc=1)
+    assert proc.stderr == (
+        f"install_horovod.sh: error: the torch in {venv} names no GPU architecture (sm_XY) it "
+        "was built for: reinstall torch from PyPI or the PyTorch wheel server\n"
+    )

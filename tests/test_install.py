@@ -2,6 +2,7 @@
 
 import re
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -237,3 +238,158 @@ def test_conda_job_script_activates_the_environment_in_batch(tmp_path, job_env, 
         assert f"({prefix / 'bin' / 'python'})" in proc.stdout  # check_pytorch.py ran in it
     else:
         assert proc.returncode != 0 and "Run 'conda init' before 'conda activate'" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("gcn_arch", "arch_list", "expected"),
+    [
+        ("gfx90a:sramecc+:xnack-", ["gfx90a", "gfx942"], True),  # MI250X
+        ("gfx942:sramecc+:xnack-", ["gfx90a", "gfx942"], True),  # MI300X
+        ("gfx942", ["gfx90a:xnack-", "gfx942:xnack-"], True),  # features on the list's side
+        ("gfx90a:sramecc+:xnack-", ["gfx942", "gfx1100"], False),
+        ("gfx908:sramecc+:xnack-", ["gfx90a"], False),  # no prefix match: gfx90 is not gfx908
+        ("gfx90a", [], False),
+    ],
+)
+def test_kernels_available_for_rocm_gpus(gcn_arch, arch_list, expected):
+    assert load_check_module().kernels_available((9, 0), arch_list, gcn_arch) is expected
+
+
+def fake_rocm_torch(gcn_arch, arch_list):
+    """A stand-in for a ROCm build of torch with one AMD GPU; its tensors are the real CPU ones."""
+    props = SimpleNamespace(
+        name="AMD Instinct MI250X", major=9, minor=0, total_memory=64 * 2**30,
+        gcnArchName=gcn_arch, uuid="GPU-0a1b2c3d",
+    )  # fmt: skip
+    cuda = SimpleNamespace(
+        get_arch_list=lambda: arch_list, is_available=lambda: True, device_count=lambda: 1,
+        get_device_properties=lambda index: props, synchronize=lambda: None,
+    )  # fmt: skip
+    return SimpleNamespace(
+        __version__="2.13.0+rocm7.0",
+        version=SimpleNamespace(hip="7.0.51831", cuda=None),
+        backends=SimpleNamespace(cudnn=SimpleNamespace(is_available=lambda: False)),
+        cuda=cuda,
+        set_num_threads=lambda n: None,
+        randn=lambda *size, device: torch.randn(*size),
+        mm=torch.mm,
+        isfinite=torch.isfinite,
+    )
+
+
+@pytest.mark.parametrize(
+    ("gcn_arch", "usable"), [("gfx90a:sramecc+:xnack-", True), ("gfx1100", False)]
+)
+def test_a_rocm_gpu_of_the_builds_list_is_usable(monkeypatch, capsys, gcn_arch, usable):
+    """A ROCm job given an AMD GPU of the build's gfx list runs on it; before, every ROCm GPU
+    was 'unusable' (only sm_/compute_ names were known) and the job stopped."""
+    check = load_check_module()
+    monkeypatch.setitem(sys.modules, "torch", fake_rocm_torch(gcn_arch, ["gfx90a", "gfx942"]))
+    monkeypatch.setattr(check.glob, "glob", lambda pattern: ["/dev/kfd"])  # a GPU node
+    for name in check.GPU_LIST_VARIABLES + check.GPU_COUNT_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_GPUS_ON_NODE", "1")
+    if usable:
+        check.main(["--size", "32"])
+        out = capsys.readouterr().out
+        assert "kernels in this build: yes" in out and "WARNING" not in out, out
+        assert "GPU in use: GPU-0a1b2c3d (AMD Instinct MI250X)" in out
+        assert out.rstrip().endswith("works on cuda"), out
+    else:
+        with pytest.raises(SystemExit) as stop:
+            check.main(["--size", "32"])
+        assert stop.value.code == 2
+        captured = capsys.readouterr()
+        assert "WARNING: this PyTorch has no kernels for gfx1100 (built for gfx90a gfx942)" in (
+            captured.out
+        )
+        assert "HIP error: invalid device function" in captured.out
+        assert captured.err.count("\n") == 1 and "has no kernels for them" in captured.err
+
+
+def conda_keeping_its_file(tmp_path):
+    """A `conda` first on PATH that keeps a copy of the --file it is given (make_conda_env.sh
+    removes its own copy when it ends), then runs the tests' conda stand-in."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "conda").write_text(
+        "#!/bin/bash\n"
+        'args=("$@")\n'
+        "for ((i = 0; i < $#; i++)); do\n"
+        '    [[ ${args[i]} == --file ]] && cp "${args[i+1]}" "$SEEN"\n'
+        "done\n"
+        f'exec "{TESTS / "standins" / "conda"}" "$@"\n'
+    )
+    (bin_dir / "conda").chmod(0o755)
+    return bin_dir
+
+
+@pytest.mark.parametrize(
+    ("build", "index"),
+    [("cu128", None), ("cpu", None), ("cu126", "https://mirror.example.org/pytorch/whl")],
+)
+def test_make_conda_env_takes_torch_from_the_builds_index(tmp_path, job_env, build, index):
+    """TORCH_BUILD as in make_venv.sh: the environment conda creates takes the pinned torch from
+    that build's index; before, conda always got environment.yml, hence the CUDA 13 wheel."""
+    copy_example(
+        tmp_path, "install/make_conda_env.sh", "install/environment.yml", "install/check_pytorch.py"
+    )
+    # The tests' miniconda3 module puts the stand-in first on PATH: this copy loads none.
+    script = tmp_path / "make_conda_env.sh"
+    text = script.read_text()
+    assert text.count("\nmodule load miniconda3 ") == 1
+    script.write_text(text.replace("\nmodule load miniconda3 ", "\ntrue "))
+    seen = tmp_path / "seen.yml"
+    env = {
+        **job_env,
+        "PATH": f"{conda_keeping_its_file(tmp_path)}:{job_env['PATH']}",
+        "CONDA_ENV": str(tmp_path / "env"),
+        "TORCH_BUILD": build,
+        "SEEN": str(seen),
+        "TMPDIR": str(tmp_path / "tmp"),
+    }
+    (tmp_path / "tmp").mkdir()
+    if index:
+        env["TORCH_INDEX"] = index
+    out = run(["bash", "make_conda_env.sh"], cwd=tmp_path, env=env).stdout
+    assert f"(PyTorch build: {build})" in out
+    assert f"Environment ready: conda activate {tmp_path / 'env'}" in out
+    original = yaml.safe_load((tmp_path / "environment.yml").read_text())
+    created = yaml.safe_load(seen.read_text())
+    pip = next(dep["pip"] for dep in created["dependencies"] if isinstance(dep, dict))
+    url = f"{index or 'https://download.pytorch.org/whl'}/{build}"
+    assert pip == [f"--index-url {url}", f"torch=={VERSIONS['cpu']['torch']}"], pip
+    # everything else as in environment.yml, which stays as it was; the copy is gone
+    pip_original = next(d["pip"] for d in original["dependencies"] if isinstance(d, dict))
+    assert pip[1:] == pip_original
+    assert {**created, "dependencies": []} == {**original, "dependencies": []}
+    assert [d for d in created["dependencies"] if not isinstance(d, dict)] == [
+        d for d in original["dependencies"] if not isinstance(d, dict)
+    ]
+    assert not list((tmp_path / "tmp").iterdir())
+
+
+@pytest.mark.parametrize(
+    ("variables", "message"),
+    [
+        ({"TORCH_BUILD": "cu118"}, "TORCH_BUILD=cu118: use default, cu130, cu128, cu126 or cpu"),
+        ({"TORCH_BUILD": "$(touch pwned)"}, "use default, cu130, cu128, cu126 or cpu"),
+        (
+            {"TORCH_BUILD": "cu128", "TORCH_INDEX": "https://x.org/whl\n  - evil==1"},
+            "is not an http(s) address",
+        ),
+    ],
+    ids=["unknown-build", "shell-in-build", "yaml-in-index"],
+)
+def test_make_conda_env_rejects_a_bad_build_or_index(tmp_path, job_env, variables, message):
+    copy_example(
+        tmp_path, "install/make_conda_env.sh", "install/environment.yml", "install/check_pytorch.py"
+    )
+    log = tmp_path / "conda.log"
+    env = {**job_env, "CONDA_ENV": str(tmp_path / "env"), "CONDA_STANDIN_LOG": str(log),
+           **variables}  # fmt: skip
+    proc = run(["bash", "make_conda_env.sh"], cwd=tmp_path, env=env, expect_rc=1)
+    assert proc.stderr.count("\n") == 1 and message in proc.stderr, proc.stderr
+    assert proc.stderr.startswith("make_conda_env.sh: error: ")
+    assert not log.exists() and not (tmp_path / "env").exists()
+    assert not (tmp_path / "pwned").exists()

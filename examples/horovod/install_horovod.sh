@@ -86,9 +86,15 @@ print(found[0].parents[1] if found else "")')
     ln -s "$nccl/lib/libnccl.so.2" "$work/nccl/lib/libnccl.so"
     export HOROVOD_GPU_OPERATIONS=NCCL HOROVOD_NCCL_HOME=$work/nccl HOROVOD_NCCL_LINK=SHARED
     HOROVOD_CUDA_HOME=$(dirname "$(dirname "$nvcc")")
-    # GPU code for the GPUs torch itself has code for (sm_80 -> 80), not every nvcc knows.
+    # GPU code for the GPUs torch itself has code for (sm_80 -> 80, sm_90a -> 90), not every
+    # nvcc knows. The build's own list: torch.cuda.get_arch_list() is empty where no GPU is
+    # visible, as on a login node, and Horovod's build stops on an empty list.
     HOROVOD_BUILD_CUDA_CC_LIST=$(python -c 'import torch
-print(",".join(a[3:] for a in torch.cuda.get_arch_list() if a.startswith("sm_")))')
+flags = getattr(torch._C, "_cuda_getArchFlags", lambda: "")() or ""
+ccs = [a[3:].rstrip("af") for a in flags.split() if a.startswith("sm_")]
+print(",".join(dict.fromkeys(cc for cc in ccs if cc.isdigit())))')
+    [[ -n $HOROVOD_BUILD_CUDA_CC_LIST ]] || die "the torch in $VIRTUAL_ENV names no GPU" \
+        "architecture (sm_XY) it was built for: reinstall torch from PyPI or the PyTorch wheel server"
     export HOROVOD_CUDA_HOME HOROVOD_BUILD_CUDA_CC_LIST
     echo "Building Horovod $HOROVOD_VERSION for GPU tensors: NCCL of $nccl, CUDA $cuda ($nvcc)"
 else

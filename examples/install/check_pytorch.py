@@ -168,13 +168,17 @@ def cpu_threads():
     return len(os.sched_getaffinity(0)), "CPU affinity"
 
 
-def kernels_available(capability, arch_list):
+def kernels_available(capability, arch_list, gcn_arch=""):
     """True when a build compiled for arch_list can run on a GPU of this compute capability.
 
     A cubin for sm_XY runs on GPUs of the same major version and a minor version >= Y;
     PTX for compute_XY is compiled at load time for any GPU >= X.Y; an arch-specific
-    target (sm_90a) runs only on exactly that capability.
+    target (sm_90a) runs only on exactly that capability. An AMD GPU (ROCm build) needs
+    code for its own gfx target: gcn_arch is its gcnArchName ("gfx90a:sramecc+:xnack-"),
+    compared without the feature suffixes.
     """
+    if gcn_arch:
+        return gcn_arch.split(":")[0] in {arch.split(":")[0] for arch in arch_list}
     major, minor = capability
     for arch in arch_list:
         kind, _, number = arch.partition("_")
@@ -227,18 +231,25 @@ def main(argv=None):
     for index in range(count):
         props = torch.cuda.get_device_properties(index)
         capability = (props.major, props.minor)
-        ok = kernels_available(capability, arch_list)
+        gcn_arch = getattr(props, "gcnArchName", "") if torch.version.hip else ""
+        ok = kernels_available(capability, arch_list, gcn_arch)
         usable += ok
         print(
             f"GPU {index}:           {props.name}, compute capability {props.major}.{props.minor}, "
             f"{props.total_memory / 2**30:.1f} GiB, kernels in this build: {'yes' if ok else 'NO'}"
         )
+        target = gcn_arch.split(":")[0] or f"sm_{props.major}{props.minor}"
+        error = (
+            "HIP error: invalid device function"
+            if gcn_arch
+            else "no kernel image is available for execution on the device"
+        )
         if not ok:
             print(
-                f"WARNING: this PyTorch has no kernels for sm_{props.major}{props.minor} "
-                f"(built for {' '.join(arch_list)}): CUDA calls will fail with 'no kernel image "
-                "is available for execution on the device'. Install a build that lists "
-                f"sm_{props.major}{props.minor} (a newer PyTorch wheel, or your site's module)."
+                f"WARNING: this PyTorch has no kernels for {target} "
+                f"(built for {' '.join(arch_list)}): GPU calls will fail with '{error}'. "
+                f"Install a build that lists {target} (a newer PyTorch wheel, or your site's "
+                "module)."
             )
 
     # On a GPU node, a job given GPUs stops here rather than pass on the CPU; elsewhere (a
