@@ -627,6 +627,16 @@ def make_fake_shards(folder, images=64, shard_size=8):
     return run([sys.executable, *make], cwd=folder).stdout
 
 
+def gpus_used(out):
+    """(how many GPUs a job's output says ran, their model), as make site-check counts them: a
+    GPU test checks the output with the code that judges a centre's jobs, not a copy of it."""
+    if str(ROOT / "edition") not in sys.path:
+        sys.path.insert(0, str(ROOT / "edition"))
+    import site_check
+
+    return site_check.gpus_used(out)
+
+
 def load_example(path):
     """An example as a module, to test one of its functions on its own: its main() does not
     run, and no bytecode is written into examples/."""
