@@ -252,16 +252,15 @@ def judge(site, job, records):
     job.info.update(gpus=used, gpus_given=given, gpu_model=model)
     if job.settings.get("server"):
         ok = not missing  # cancelled by us once it served
-    no_gpu = ok and not missing and asks_for_the_gpu(site, job) and used == 0
-    if ok and not missing and not no_gpu:
-        job.outcome = "passed"
+    job.outcome = "failed"
+    if not ok:
+        job.message = job.info["state"]
+    elif missing:
+        job.message = f"its output lacks {missing[0]!r}"
+    elif asks_for_the_gpu(site, job) and used == 0:
+        job.message = "it was given the GPU but its output names none that ran ('GPU in use:')"
     else:
-        job.outcome = "failed"
-        job.message = (
-            job.info["state"] if not ok
-            else f"its output lacks {missing[0]!r}" if missing
-            else "it was given the GPU but its output names none that ran ('GPU in use:')"
-        )  # fmt: skip
+        job.outcome = "passed"
 
 
 def cancel(site, ids):
