@@ -253,6 +253,9 @@ RULES = [
         r"SHARED=\$\{SHARED:-compile-cache\}",
         _assign("storage.project", "SHARED=${{SHARED:-{value}/compile-cache}}"),
     ),
+    # torch.compile's caches (cache_env.sh): node-local or fast storage of the user's own, which
+    # a site file does not name (node_local is a job's own folder, emptied after it): kept.
+    (r"COMPILE_DIR=\$\{COMPILE_DIR:-/tmp/torch-compile-\$USER\}", lambda *_: None),
     (
         r"PROJECT_DIR=\$\{PROJECT_DIR:-[^}]+\}",
         _assign("storage.project", "PROJECT_DIR=${{PROJECT_DIR:-{value}}}"),

@@ -5,11 +5,15 @@
 # script, after setting PROJECT_DIR to your project space:
 #     source cache_env.sh
 # Then check with: python show_caches.py
-# Caches that jobs share and keep go to project space. Nothing here must be backed up: every
-# cache can be deleted, and the tool fills it again.
+# Downloads that jobs share and keep go to project space. torch.compile's caches, which jobs
+# write into while they run, go to a folder of your own (COMPILE_DIR). Nothing here must be
+# backed up: every cache can be deleted, and the tool fills it again.
 
-# --- Site-specific: your project space ----------------------------------------
+# --- Site-specific: project space, torch.compile's caches ---------------------
 PROJECT_DIR=${PROJECT_DIR:-/project/$USER}   # shared by your jobs, kept, not backed up
+# Yours alone: node-local disk that outlives a job, or fast storage of your own whose file
+# locks work across nodes. Not $TMPDIR, which is the job's own at many sites.
+COMPILE_DIR=${COMPILE_DIR:-/tmp/torch-compile-$USER}
 # -------------------------------------------------------------------------------
 CACHE_ROOT="$PROJECT_DIR/.cache"
 
@@ -21,6 +25,11 @@ export HF_HOME="$CACHE_ROOT/huggingface"          # Hugging Face models and data
 export TORCH_EXTENSIONS_DIR="$CACHE_ROOT/torch_extensions"   # JIT-built C++/CUDA ops
 export CUDA_CACHE_PATH="$CACHE_ROOT/nv-compute-cache"        # the driver's compiled PTX
 export APPTAINER_CACHEDIR="$CACHE_ROOT/apptainer"           # image layers
-# torch.compile's caches (Inductor, and Triton's inside it): shared ones need file locks that
-# work across nodes; compile_cache.sbatch gives each job its own copy instead.
-export TORCHINDUCTOR_CACHE_DIR="$CACHE_ROOT/inductor"
+
+# torch.compile runs the code it finds in its cache: use the folder only if it is yours.
+if mkdir -p "$COMPILE_DIR" 2>/dev/null && [[ -O "$COMPILE_DIR" ]] && chmod 700 "$COMPILE_DIR"; then
+    export TORCHINDUCTOR_CACHE_DIR="$COMPILE_DIR/inductor"      # Inductor's generated code
+    export TRITON_CACHE_DIR="$TORCHINDUCTOR_CACHE_DIR/triton"   # every Triton GPU kernel
+else
+    echo "cache_env.sh: $COMPILE_DIR is not yours: torch.compile's caches not moved" >&2
+fi

@@ -9,11 +9,17 @@ run is warm.
 
     TORCHINDUCTOR_CACHE_DIR=$PWD/compile-cache python compile_cache.py
     sbatch compile_cache.sbatch                # a per-job copy of a shared cache
+
+A cache is warm only for the PyTorch and the device model that filled it: with
+--print-cache-key, the script prints a folder name made of both, and compile_cache.sbatch
+keeps one shared cache per name.
 """
 
 import argparse
 import glob
 import os
+import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -34,12 +40,28 @@ def parse_args(argv=None):
     parser.add_argument("--width", type=positive_int, default=256, help="hidden units")
     parser.add_argument("--steps", type=positive_int, default=5, help="training steps")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--print-cache-key", action="store_true",
+                        help="print the shared cache's folder name for this PyTorch and device, "
+                        "and exit")  # fmt: skip
     return parser.parse_args(argv)
 
 
 def fail(message):
     print(f"compile_cache.py: error: {message}", file=sys.stderr)
     sys.exit(2)
+
+
+def cache_folder():
+    """TORCHINDUCTOR_CACHE_DIR: set, and a folder or one that can be made."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        fail("TORCHINDUCTOR_CACHE_DIR is not set: point it at the cache to use (see the page)")
+    cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    for part in (cache, *cache.parents):  # a folder, or one to be made: not under a file
+        if part.exists():
+            if not part.is_dir():
+                fail(f"TORCHINDUCTOR_CACHE_DIR={cache}: {part} is a file, not a folder")
+            break
+    return cache
 
 
 # Scheduler variables that say this job was given GPUs, and the device files of a GPU node.
@@ -68,26 +90,43 @@ def announce_gpu(torch, device):
     print(f"GPU in use: {props.uuid} ({props.name}) on {os.uname().nodename}", flush=True)
 
 
+def cache_key(torch_version, device_name, capability=None):
+    """A folder name for the compile cache of one PyTorch version on one device model (a
+    cache filled by another version or model holds nothing this one can use). Letters, digits
+    and '._+-' only, never '.' or '..': no device name (with '/', spaces, '..') can put the
+    folder anywhere else."""
+    parts = [f"torch-{torch_version}", device_name]
+    if capability is not None:
+        parts.append("cc{}.{}".format(*capability))  # compute capability
+    key = re.sub(r"[^A-Za-z0-9._+-]+", "-", "-".join(parts)).strip(".-")
+    return key[:120] or "unknown"
+
+
+def device_key(torch, device):
+    """cache_key for the device this process compiles for: the GPU model and its compute
+    capability, or the CPU's architecture."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return cache_key(torch.__version__, props.name, (props.major, props.minor))
+    return cache_key(torch.__version__, f"cpu-{platform.machine()}")
+
+
 def count_files(folder):
     return sum(len(files) for _, _, files in os.walk(folder))
 
 
 def main(argv=None):
     args = parse_args(argv)
-    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
-        fail("TORCHINDUCTOR_CACHE_DIR is not set: point it at the cache to use (see the page)")
-    cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
-    for part in (cache, *cache.parents):  # a folder, or one to be made: not under a file
-        if part.exists():
-            if not part.is_dir():
-                fail(f"TORCHINDUCTOR_CACHE_DIR={cache}: {part} is a file, not a folder")
-            break
+    cache = None if args.print_cache_key else cache_folder()
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
         fail("--device cuda but no GPU is visible: request one (e.g. #SBATCH --gpus-per-node=1)")
     use_cuda = args.device == "cuda" or (args.device == "auto" and gpu_usable(torch))
     device = torch.device("cuda" if use_cuda else "cpu")
+    if args.print_cache_key:
+        print(device_key(torch, device))
+        return
     if use_cuda:
         announce_gpu(torch, device)
     before = count_files(cache) if cache.is_dir() else 0
