@@ -278,6 +278,8 @@ JOBS = {
         args=("--device", "cpu"),
         expect=(
             "Job {job_id}: no shared cache yet at ",
+            # in a folder of its own for this PyTorch and device model
+            re.compile(r"no shared cache yet at \S+/compile-cache/torch-[^/\s]+: compiling"),
             "/compile-{job_id}/inductor: 0 files before, ",
             "(cold)",
             "Published the compile cache to ",
