@@ -19,6 +19,7 @@ import time
 
 import pytest
 import torch
+from recorded import check_recorded
 
 from conftest import EXAMPLES, example_env, free_port, load_example, make_fake_shards, run
 
@@ -84,7 +85,7 @@ def test_a_full_disk_stops_the_save_in_one_line_and_keeps_the_last_checkpoint(tm
     folder, kept = tmp_path / "checkpoints", tmp_path / "kept"
     folder.mkdir()
     kept.mkdir()
-    command = [sys.executable, script, *CPU, *args, option, folder]
+    command = [sys.executable, script, *CPU, *args, option, folder.name]
     env = example_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), OMP_NUM_THREADS=1)
     proc = subprocess.run(
         [*namespace(), "sh", "-c", ON_A_SMALL_DISK, "sh", *map(str, [folder, size, kept, world,
@@ -94,10 +95,12 @@ def test_a_full_disk_stops_the_save_in_one_line_and_keeps_the_last_checkpoint(tm
     out, err = (tmp_path / "out0").read_text(), (tmp_path / "err0").read_text()
     assert proc.returncode == 2, (proc.stderr, out, err)
     line = one_line(err, script.name)
-    assert f"cannot write {folder}/" in line and NO_SPACE in line, line
+    assert "cannot write checkpoints/" in line and NO_SPACE in line, line
     left = sorted(path.name for path in kept.iterdir() if path.name != ".lock")
     assert left and not [name for name in left if name.endswith(".tmp")], left
-    assert f"{folder / left[-1]} is" in line  # it names the checkpoint that is left
+    assert f"checkpoints/{left[-1]} is" in line  # it names the checkpoint that is left
+    if script == TRAIN_CHECKPOINT:  # the line the checkpointing page shows
+        check_recorded(EXAMPLES / "checkpointing" / "train_checkpoint-disk-full.out", err)
     for rank in range(1, world):  # the other ranks stop without a word
         assert (tmp_path / f"err{rank}").read_text() == ""
     newest = kept / left[-1]
@@ -144,6 +147,8 @@ def test_a_second_run_on_the_same_folder_is_refused_while_the_first_runs(tmp_pat
             expect_rc=2,
         )
         line = one_line(second.stderr, "train_checkpoint.py")
+        check_recorded(EXAMPLES / "checkpointing" / "train_checkpoint-folder-in-use.out", line,
+                       volatile=[(r"process \d+ on [^:]+:", "process … on …:")])  # fmt: skip
         assert line == (
             f"train_checkpoint.py: error: shared is in use by job 1001, process {first.pid} on "
             f"{os.uname().nodename}: wait for that run to end (or cancel it), or give this one "

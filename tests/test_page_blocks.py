@@ -104,7 +104,7 @@ BLOCKS = {
         ("console", "slurm"),
     ("getting-started/first-job.md", "[user@login ~]$ qsub check_pytorch.qsub"):
         ("console", "gridengine"),
-    ("getting-started/first-job.md", "import torch"): ("python", "test_pages.py"),
+    ("getting-started/first-job.md", "import os"): ("python", "test_pages.py"),
     ("getting-started/first-job.md", "[user@login ~]$ salloc --time=00:30:00 --cpus-per-task=4 "
      "--mem=8G --gpus-per-node=1"): ("not run", "check_pytorch.py --device cuda needs a GPU that "
      "PyTorch can use: the tests' cluster has fake ones; test_slurm.py submits "
