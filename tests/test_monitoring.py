@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import EXAMPLES, TESTS, example_env, launch, run
+from conftest import EXAMPLES, SOURCE, TESTS, example_env, launch, run
 
 SUMMARISE = EXAMPLES / "monitoring" / "summarise_gpu_log.py"
 HANG = EXAMPLES / "hangs" / "hang_demo.py"
@@ -105,3 +105,42 @@ def test_an_incomplete_distributed_environment_is_one_line(tmp_path, variables, 
     assert (
         proc.stderr.startswith(f"hang_demo.py: error: {message}") and proc.stderr.count("\n") == 1
     )
+
+
+@pytest.mark.parametrize(
+    ("names", "error"),
+    [
+        ("lo", None),  # an exact name
+        ("lo,lo", None),  # a list of exact names: one device for each
+        ("^docker,lo", "Unable to find address for: ^docker"),  # NCCL's syntax, not gloo's
+    ],
+)
+def test_gloo_socket_ifname_takes_exact_interface_names(tmp_path, names, error):
+    """hangs.md: GLOO_SOCKET_IFNAME takes exact names, comma separated; NCCL_SOCKET_IFNAME's
+    ^ (exclude) is not understood by gloo, which looks for an interface named ^docker. The
+    page says so, and gives ^ only for NCCL."""
+    page = " ".join((SOURCE / "monitoring" / "hangs.md").read_text(encoding="utf-8").split())
+    assert "`GLOO_SOCKET_IFNAME` takes exact interface names" in page, "hangs.md"
+    assert "`GLOO_SOCKET_IFNAME=^" not in page and "or `^docker,lo` to exclude" not in page
+    cmd = [sys.executable, HANG, "--steps", "1", "--hang-at-step", "9", "--timeout", "20"]
+    results = launch(cmd, cwd=tmp_path, timeout=60, GLOO_SOCKET_IFNAME=names)
+    for rank, (rc, out, err) in enumerate(results):
+        if error is None:
+            assert rc == 0 and out.splitlines()[-1] == f"rank {rank}: finished", err
+        else:
+            assert rc != 0 and error in err, err
+
+
+def test_a_log_of_two_nodes_is_summarised_per_node(tmp_path):
+    """gpu_usage.sbatch runs one sampler per node, each line led by the node's name (and each
+    sampler writes its header): the same GPU index on two nodes is two GPUs."""
+    busy, idle = (gpu_log(tmp_path, util).read_text().splitlines() for util in (87, 12))
+    lines = [f"host, {busy[0]}", *(f"n1, {row}" for row in busy[1:]), f"host, {idle[0]}",
+             *(f"n2, {row}" for row in idle[1:])]  # fmt: skip
+    (tmp_path / "two-nodes.csv").write_text("\n".join(lines) + "\n")
+    out = run([sys.executable, SUMMARISE, "two-nodes.csv"], cwd=tmp_path).stdout
+    assert out.splitlines()[0].split() == ["host", "GPU", "samples", "mean", "util", "lowest",
+                                           "mean", "power", "most", "memory"], out  # fmt: skip
+    rows = re.findall(r"^(n\d) +(\d) +1 +(\d+)% ", out, re.M)
+    assert rows == [("n1", "0", "87"), ("n1", "1", "87"), ("n2", "0", "12"), ("n2", "1", "12")]
+    assert "Warning: GPU 0 on n2, 1 on n2 below 50% on average: " in out, out

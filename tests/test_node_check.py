@@ -16,8 +16,10 @@ from conftest import EXAMPLES, HAS_CUDA, TORCHRUN, example_env, free_port, launc
 FOLDER = EXAMPLES / "node-check"
 CHECK = FOLDER / "node_check.py"
 BENCH = FOLDER / "allreduce_bench.py"
+# --slow-fraction 1e-6: a pair fails as slow only when a million times slower than the
+# median: loopback timings on a busy test machine vary too much for the default, 0.5.
 TINY_CHECK = ["--device", "cpu", "--matrix-size", "64", "--mem-fraction", "0.001",
-              "--pair-bytes", "4096"]  # fmt: skip
+              "--pair-bytes", "4096", "--slow-fraction", "1e-6"]  # fmt: skip
 TINY_BENCH = ["--device", "cpu", "--min-bytes", "4K", "--max-bytes", "64K", "--warmup", "1",
               "--iters", "3"]  # fmt: skip
 ROW = re.compile(r"^ +(\d+) +(\d+) +float +([\d.]+) +([\d.]+) +([\d.]+)$", re.M)
@@ -96,13 +98,14 @@ def test_node_check_passes_under_torchrun(tmp_path):
 
 def test_node_check_exchanges_between_every_pair_of_nodes(tmp_path):
     """Four tasks on three nodes: the first rank of each node (0, 1, 2) exchanges with the
-    others, rank 3 shares n3 with rank 2."""
+    others; rank 3, local rank 1 on n3, has no peer of its local rank on n1 or n2."""
     env = on_nodes("n1", "n2", "n3", "n3")
     ranks = launch([sys.executable, CHECK, *TINY_CHECK], cwd=tmp_path, world=4, env=env)
     assert [rc for rc, _, _ in ranks] == [0, 0, 0, 0], ranks
     out = ranks[0][1]
-    pairs = re.findall(r"^nodes (n\d) <-> (n\d): [\d.]+ GB/s: ok$", out, re.M)
+    pairs = re.findall(r"^nodes (n\d) <-> (n\d), local rank 0: [\d.]+ GB/s: ok$", out, re.M)
     assert pairs == [("n1", "n2"), ("n1", "n3"), ("n2", "n3")], out
+    assert "local rank 1" not in out, out
     assert "rank 3 on n3, cpu: " in out
     assert out.splitlines()[-1] == "All 4 ranks on 3 nodes passed"
 
@@ -115,7 +118,7 @@ def test_a_wrong_product_fails_the_check_and_names_the_rank(tmp_path):
     out = ranks[0][1]
     assert "FAILED: rank 1 on n2, cpu: matmul 64x64 wrong in 1 of 64 rows" in out, out
     assert "FAILED: rank 0" not in out and "passed" not in out
-    assert "nodes n1 <-> n2: " in out and "Traceback" not in ranks[0][2] + ranks[1][2]
+    assert "nodes n1 <-> n2, local rank 0: " in out and "Traceback" not in ranks[0][2] + ranks[1][2]
 
 
 def test_wrong_data_from_a_node_names_its_pairs(tmp_path):
@@ -125,10 +128,53 @@ def test_wrong_data_from_a_node_names_its_pairs(tmp_path):
     assert [rc for rc, _, _ in ranks] == [1, 1, 1], ranks
     failed = re.findall(r"^FAILED: (.*)$", ranks[0][1], re.M)
     assert failed == [
-        "nodes n1 <-> n3: n1 received wrong data from n3 (1 of 1024)",
-        "nodes n2 <-> n3: n2 received wrong data from n3 (1 of 1024)",
+        "nodes n1 <-> n3, local rank 0: n1 received wrong data from n3 (1 of 1024)",
+        "nodes n2 <-> n3, local rank 0: n2 received wrong data from n3 (1 of 1024)",
     ], ranks[0][1]
-    assert re.search(r"^nodes n1 <-> n2: [\d.]+ GB/s: ok$", ranks[0][1], re.M)
+    assert re.search(r"^nodes n1 <-> n2, local rank 0: [\d.]+ GB/s: ok$", ranks[0][1], re.M)
+
+
+# Two nodes with two ranks each, as on nodes with one network card per GPU (rails).
+TWO_BY_TWO = on_nodes("n1", "n1", "n2", "n2")
+
+
+def test_every_local_rank_exchanges_with_its_peer_on_the_other_node(tmp_path):
+    ranks = launch([sys.executable, CHECK, *TINY_CHECK], cwd=tmp_path, world=4, env=TWO_BY_TWO)
+    assert [rc for rc, _, _ in ranks] == [0, 0, 0, 0], ranks
+    out = ranks[0][1]
+    pairs = re.findall(r"^nodes n1 <-> n2, local rank (\d): [\d.]+ GB/s: ok$", out, re.M)
+    assert pairs == ["0", "1"], out  # both rails, not only the first rank's
+    assert out.splitlines()[-1] == "All 4 ranks on 2 nodes passed", out
+
+
+def test_wrong_data_on_one_rail_names_the_nodes_and_the_local_rank(tmp_path):
+    cmd = [sys.executable, CHECK, *TINY_CHECK, "--fail-node", "n2:1"]
+    ranks = launch(cmd, cwd=tmp_path, world=4, env=TWO_BY_TWO)
+    assert [rc for rc, _, _ in ranks] == [1, 1, 1, 1], ranks
+    out = ranks[0][1]
+    failed = re.findall(r"^FAILED: (.*)$", out, re.M)
+    assert failed == ["nodes n1 <-> n2, local rank 1: n1 received wrong data from n2 (1 of 1024)"]
+    assert re.search(r"^nodes n1 <-> n2, local rank 0: [\d.]+ GB/s: ok$", out, re.M), out
+
+
+def test_a_slow_rail_names_the_nodes_and_the_local_rank(tmp_path):
+    """Local rank 1 of n2 waits 1 s in its timed exchange: its pair is far below the median of
+    the two (half of the sum), local rank 0's is the faster of the two and cannot be."""
+    cmd = [sys.executable, CHECK, *TINY_CHECK, "--slow-node", "n2:1", "--slow-fraction", "0.5"]
+    ranks = launch(cmd, cwd=tmp_path, world=4, env=TWO_BY_TWO)
+    assert [rc for rc, _, _ in ranks] == [1, 1, 1, 1], ranks
+    out = ranks[0][1]
+    speeds = dict(re.findall(r"^nodes n1 <-> n2, local rank (\d): ([\d.]+) GB/s: ", out, re.M))
+    (failed,) = re.findall(r"^FAILED: (.*)$", out, re.M)
+    slow = re.fullmatch(
+        rf"nodes n1 <-> n2, local rank 1: slow: {re.escape(speeds['1'])} GB/s, under 0.5 x the "
+        r"median of all pairs, ([\d.]+) GB/s",
+        failed,
+    )
+    assert slow, out
+    median = (float(speeds["0"]) + float(speeds["1"])) / 2  # of the printed, rounded speeds
+    assert float(slow[1]) == pytest.approx(median, abs=0.01), out
+    assert re.search(r"^nodes n1 <-> n2, local rank 0: [\d.]+ GB/s: ok$", out, re.M), out
 
 
 def test_a_missing_rank_fails_the_check_within_the_timeout(tmp_path):
@@ -211,3 +257,14 @@ def test_nccl_on_the_gpus(tmp_path):
     rows = table(out)
     assert [row[0] for row in rows] == [8192 * 2**i for i in range(14)], out
     assert f"with {gpus} ranks (nccl)" in out.splitlines()[-1]
+
+
+def test_the_job_script_keeps_pytorchs_nccl_error_handling():
+    """PyTorch's default TORCH_NCCL_ASYNC_ERROR_HANDLING, 3, ends every process after a failed
+    collective without calling ncclCommAbort, which can hang in turn; 1 aborts first. The job
+    script may leave it unset or set 3, nothing else (in an export, an assignment, srun
+    --export)."""
+    code = [line.split(" #")[0] for line in (FOLDER / "node_check.sbatch").read_text().splitlines()
+            if not line.lstrip().startswith("#")]  # fmt: skip
+    settings = re.findall(r"\b(?:TORCH_)?NCCL_ASYNC_ERROR_HANDLING=(\w*)", "\n".join(code))
+    assert set(settings) <= {"3"}, settings

@@ -10,7 +10,7 @@ import sys
 import pytest
 from recorded import check_recorded
 
-from conftest import EXAMPLES, HAS_CUDA, TORCHRUN, example_env, launch, run
+from conftest import EXAMPLES, HAS_CUDA, SOURCE, TORCHRUN, example_env, launch, load_example, run
 
 FOLDER = EXAMPLES / "profiling"
 PROFILE = FOLDER / "profile_steps.py"
@@ -139,3 +139,29 @@ def test_one_gpu_trace_holds_kernels(tmp_path):
     events = json.loads(trace.read_text(encoding="utf-8"))["traceEvents"]
     assert any(event.get("cat") == "kernel" for event in events), "no GPU kernels in the trace"
     assert LABELS <= {event.get("name") for event in events}
+
+
+@pytest.mark.parametrize(("steps", "recorded"), [(1, None), (2, 0), (3, 1), (4, 2), (5, 3)])
+def test_fewer_steps_than_the_schedule_leave_a_partial_trace(tmp_path, steps, recorded):
+    """The script's own profiler (make_profiler) around `steps` steps of one matmul each: the
+    trace its exit writes, and how many of the steps it recorded (None: no trace at all), as
+    profiling.md says. The script itself refuses fewer than 5 steps."""
+    example = load_example(PROFILE)
+    torch = example.torch
+    with example.make_profiler(tmp_path, 0, use_cuda=False) as prof:
+        for _ in range(steps):
+            torch.ones(8, 8) @ torch.ones(8, 8)
+            prof.step()
+    traces = list(tmp_path.glob("*.pt.trace.json"))
+    if recorded is None:
+        assert traces == [], traces
+    else:
+        (trace,) = traces
+        events = json.loads(trace.read_text(encoding="utf-8"))["traceEvents"]
+        assert sum(event.get("name") == "aten::mm" for event in events) == recorded
+    page = " ".join((SOURCE / "monitoring" / "profiling.md").read_text(encoding="utf-8").split())
+    assert (
+        "found no trace after 1 step; a trace with no training step in it after 2 steps (only "
+        "the mark of `ProfilerStep#2`, which never ran); 1 recorded step after 3 steps, 2 after "
+        "4, and the full 3 after 5."
+    ) in page

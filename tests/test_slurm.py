@@ -323,6 +323,8 @@ JOBS = {
             "128",
             "--mem-fraction",
             "0.001",
+            "--slow-fraction",  # loopback timings vary too much for the default, 0.5
+            "1e-6",
             "--",
             "--device",
             "cpu",
@@ -336,7 +338,8 @@ JOBS = {
             "Node check: 4 ranks on 2 node(s), gloo, matmul 128x128, timeout 60 s",
             "rank 0 on n1, cpu: ",
             "rank 3 on n2, cpu: ",
-            "nodes n1 <-> n2: ",
+            "nodes n1 <-> n2, local rank 0: ",  # every local rank, each with its own peer
+            "nodes n1 <-> n2, local rank 1: ",
             "All 4 ranks on 2 nodes passed",
             "# all_reduce (sum, float32, in place): 4 ranks on 2 node(s), gloo, cpu (",
             "Peak bus bandwidth: ",
@@ -1159,3 +1162,32 @@ def test_a_site_that_asks_per_gpu_runs_its_jobs_with_their_cores(cluster, job_en
         assert line.format(job_id=job_id) in info["output"], info["output"]
     assert info.get("CPUs/Task", "1") == "1", info
     check_step_cores(cluster, job_id, {**info, "CPUs/Task": "1"})
+
+
+def test_gpu_usage_samples_every_node_and_survives_a_sampler_that_ended(cluster, job_env, tmp_path):
+    """gpu_usage.sbatch on two nodes: one sampler per node, each line of the CSV led by its
+    node, the summary per node; the stand-in nvidia-smi on PATH here writes one sample and
+    ends (as when nvidia-smi fails), so the job's final kill finds no sampler: not a failure."""
+    script = "monitoring/gpu_usage.sbatch"
+    job = JOBS[script]
+    copy_example(tmp_path, script, *job.files)
+    once = tmp_path / "bin" / "nvidia-smi"
+    once.parent.mkdir()
+    standin = Path(__file__).parent / "standins" / "nvidia-smi"
+    once.write_text(  # the stand-in without -l N: one sample, then it ends
+        "#!/bin/bash\nargs=()\nwhile (($#)); do\n"
+        '    if [[ $1 == -l ]]; then shift 2; else args+=("$1"); shift; fi\ndone\n'
+        f'exec {standin} "${{args[@]}}"\n'
+    )
+    once.chmod(0o755)
+    env = job_env_for(cluster, job_env, job)
+    env["PATH"] = f"{once.parent}:{env['PATH']}"
+    job_id = sbatch("--nodes=2", "--ntasks=2", "gpu_usage.sbatch", *job.args, cwd=tmp_path, env=env)
+    info = wait_for(job_id, env)
+    out = info["output"]
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), out
+    assert f"Note: the GPU sampler had ended before the training: gpu-usage-{job_id}.csv" in out
+    log = (tmp_path / f"gpu-usage-{job_id}.csv").read_text().splitlines()
+    assert sorted(line.split(",")[0] for line in log) == ["host", "host", "n1", "n2"], (log, out)
+    rows = re.findall(r"^(n\d) +0 +1 +87% ", out, re.M)
+    assert rows == ["n1", "n2"], out

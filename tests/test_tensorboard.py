@@ -4,7 +4,10 @@ The job script (tensorboard.sbatch) runs under the tests' Slurm cluster (test_sl
 """
 
 import re
+import signal
+import socket
 import sys
+import time
 
 import pytest
 from recorded import check_recorded
@@ -27,7 +30,7 @@ VOLATILE = [
     (r"\d+ images/s", "… images/s"),
     (r"/\S*/out/runs", "…/out/runs"),
     (r"events\.out\.tfevents\.\S+", "events.out.tfevents.…"),
-    (r"(--port |localhost:|-L )\d+", r"\1…"),
+    (r"(--port |localhost:|-L |\(port )\d+", r"\1…"),
     (r" \S+@<login node>", " you@<login node>"),
 ]
 
@@ -57,8 +60,9 @@ def test_event_file_holds_what_the_script_printed(tmp_path):
     assert sorted(scalars) == ["epoch/images_per_s", "epoch/loss", "train/loss", "train/lr"]
     assert [step for step, _ in scalars["train/loss"]] == list(range(9))
     assert [step for step, _ in scalars["train/lr"]] == list(range(9))
-    assert [step for step, _ in scalars["epoch/loss"]] == [1, 2, 3]
-    assert [step for step, _ in scalars["epoch/images_per_s"]] == [1, 2, 3]
+    # At the step of each epoch's last batch: one axis for every tag, as purge_step needs.
+    assert [step for step, _ in scalars["epoch/loss"]] == [2, 5, 8]
+    assert [step for step, _ in scalars["epoch/images_per_s"]] == [2, 5, 8]
 
     printed = epoch_losses(out)
     logged = [value for _, value in scalars["epoch/loss"]]
@@ -91,6 +95,124 @@ def test_a_second_run_with_the_same_name_adds_to_it(tmp_path):
     run(cmd, cwd=tmp_path)
     out = run(cmd, cwd=tmp_path).stdout
     assert f"note: {tmp_path / 'runs' / 'local-seed0'} exists: " in out, out
+
+
+# Runs train_tensorboard.py (python -c KILLED SCRIPT ARGS...) and kills it with SIGKILL in its
+# KILL_AT_SAVE-th torch.save: a job that ends (time limit, node failure) after it logged an
+# epoch, before that epoch's checkpoint was saved.
+KILLED = """
+import os, runpy, signal, sys
+import torch
+
+calls, original = 0, torch.save
+
+def save(*args, **kwargs):
+    global calls
+    calls += 1
+    if calls == int(os.environ["KILL_AT_SAVE"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return original(*args, **kwargs)
+
+torch.save = save
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_resumed_run_shows_each_step_once(tmp_path):
+    cmd = [TRAIN, *TINY, "--epochs", "3", "--output-dir", "out"]
+    killed = run([sys.executable, "-c", KILLED, *cmd], cwd=tmp_path,
+                 env=example_env(KILL_AT_SAVE=3), expect_rc=-signal.SIGKILL).stdout  # fmt: skip
+    assert "epoch 3: loss " in killed, killed  # logged, but its checkpoint never saved
+    run_dir = tmp_path / "out" / "runs" / "local-seed0"
+    (first,) = run_dir.glob("events.out.tfevents.*")
+    assert sorted(read_scalars(run_dir)["train/loss"]) != [], "the killed run logged nothing"
+    # TensorBoard reads a run's event files in the order of their names, which begin with
+    # the second each was opened in: the resumed run's file must sort after the first.
+    while time.time() < int(first.name.split(".")[3]) + 1:
+        time.sleep(0.05)
+
+    out = run([sys.executable, *cmd], cwd=tmp_path).stdout
+    checkpoint = tmp_path / "out" / "checkpoints" / "local-seed0.pt"
+    assert f"resumed from {checkpoint} after epoch 2 of 3, step 6\n" in out, out
+    assert f"note: {run_dir} exists: this run goes on in it from step 6\n" in out, out
+    assert len(epoch_losses(out)) == 1 and "epoch 3: loss " in out, out
+    scalars = read_scalars(run_dir)
+    for tag, values in scalars.items():
+        steps = [step for step, _ in values]
+        assert sorted(steps) == sorted(set(steps)), f"{tag}: a step logged twice: {steps}"
+    assert [step for step, _ in scalars["train/loss"]] == list(range(9))
+    assert [step for step, _ in scalars["epoch/loss"]] == [2, 5, 8]
+    # Epoch 3's values are the resumed run's, not the killed run's.
+    assert scalars["epoch/loss"][-1][1] == pytest.approx(epoch_losses(out)[0], abs=5e-5)
+
+
+def test_a_checkpoint_of_other_options_is_refused(tmp_path):
+    cmd = [sys.executable, TRAIN, *TINY, "--output-dir", tmp_path]
+    run([*cmd, "--epochs", "1"], cwd=tmp_path)
+    proc = run([*cmd, "--epochs", "2"], cwd=tmp_path, expect_rc=2)
+    checkpoint = tmp_path / "checkpoints" / "local-seed0.pt"
+    assert proc.stderr.splitlines() == [
+        f"train_tensorboard.py: error: {checkpoint} is a run with --epochs 1, not 2: pass the "
+        "same options, another --run-name, or delete it to start again"
+    ], proc.stderr
+    checkpoint.write_bytes(b"not a checkpoint")
+    proc = run([*cmd, "--epochs", "1"], cwd=tmp_path, expect_rc=2)
+    assert proc.stderr.splitlines() == [
+        f"train_tensorboard.py: error: cannot resume from {checkpoint} (UnpicklingError): "
+        "delete it to start again"
+    ], proc.stderr
+
+
+def held_ports(count):
+    """(job id, sockets): a job whose first TensorBoard port and the count - 1 after it are
+    held busy here, by sockets listening on them, and the port after those free."""
+    for job in range(20000, 30000):  # 20000: port 16000, the old port of user id 0
+        first, sockets = 16000 + job % 10000, []
+        try:
+            for port in range(first, first + count):
+                sockets.append(socket.socket())
+                sockets[-1].bind(("127.0.0.1", port))
+                sockets[-1].listen()
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", first + count))
+            return job, sockets
+        except OSError:
+            for sock in sockets:
+                sock.close()
+    pytest.fail("no free ports from 16000 on")
+
+
+def test_the_port_is_one_of_the_job_and_free(tmp_path):
+    job, sockets = held_ports(1)
+    first = 16000 + job % 10000
+    try:
+        env = example_env(SLURM_JOB_ID=job)
+        cmd = [sys.executable, TRAIN, *TINY, "--epochs", "1", "--output-dir", tmp_path]
+        out = run(cmd, cwd=tmp_path, env=env).stdout
+    finally:
+        for sock in sockets:
+            sock.close()
+    port = re.search(
+        r"^View the runs on a login node \(port (\d+) is free on \S+ now\):$", out, re.M
+    )
+    assert port and int(port[1]) == first + 1, (first, out)  # the next one: the first is held
+    assert f"    tensorboard --logdir {tmp_path / 'runs'} --port {first + 1}\n" in out, out
+    assert f"    ssh -N -L {first + 1}:localhost:{first + 1} " in out, out
+
+
+def test_when_every_port_is_in_use_it_says_so(tmp_path):
+    job, sockets = held_ports(10)
+    first = 16000 + job % 10000
+    try:
+        env = example_env(SLURM_JOB_ID=job, SLURMD_NODENAME="n1")
+        cmd = [sys.executable, TRAIN, *TINY, "--epochs", "1", "--output-dir", tmp_path]
+        out = run(cmd, cwd=tmp_path, env=env).stdout
+    finally:
+        for sock in sockets:
+            sock.close()
+    assert (f"note: ports {first} to {first + 9} are all in use on n1: choose another with "
+            "--port and in the tunnel\n") in out, out  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,10 @@
 """Summarise a GPU log written by `nvidia-smi --query-gpu=... --format=csv -l N`.
 
-For each GPU: how many samples, the mean and the lowest utilisation, the mean power and the
-most memory used, and a warning when the GPU was mostly idle. Utilisation is the share of time
-in which at least one kernel ran: 100 % does not mean the GPU is used well, but a low figure
-means it waits (for data, for the CPU, for other ranks). gpu_usage.sbatch runs it at the end.
+For each GPU of each node (the host column that gpu_usage.sbatch adds): how many samples, the
+mean and the lowest utilisation, the mean power and the most memory used, and a warning when
+the GPU was mostly idle. Utilisation is the share of time in which at least one kernel ran:
+100 % does not mean the GPU is used well, but a low figure means it waits (for data, for the
+CPU, for other ranks). gpu_usage.sbatch runs it at the end.
 
     python summarise_gpu_log.py gpu-usage-123456.csv
     python summarise_gpu_log.py gpu-usage-123456.csv --idle-below 50
@@ -60,7 +61,8 @@ def number(text):
 
 
 def read_samples(path):
-    """{gpu index: [row, ...]} with the columns named without their units ("power.draw")."""
+    """{(host, gpu index): [row, ...]} with the columns named without their units
+    ("power.draw"); the host is "" in a log without a host column."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as error:
@@ -71,9 +73,11 @@ def read_samples(path):
     names = [name.split(" [")[0] for name in rows[0]]
     gpus = {}
     for row in rows[1:]:
+        if row == rows[0]:  # the header again: each node's sampler writes one
+            continue
         if len(row) == len(names):  # the last line may be cut short when the job ended
             sample = dict(zip(names, row, strict=True))
-            gpus.setdefault(sample["index"], []).append(sample)
+            gpus.setdefault((sample.get("host", ""), sample["index"]), []).append(sample)
     if not gpus:
         fail(f"{path} holds no sample: did the job end before nvidia-smi's first one?")
     return gpus
@@ -82,10 +86,12 @@ def read_samples(path):
 def main(argv=None):
     args = parse_args(argv)
     gpus = read_samples(args.log)
-    print(f"{'GPU':>3} {'samples':>7} {'mean util':>9} {'lowest':>6} {'mean power':>10} "
-          f"{'most memory':>11}")  # fmt: skip
+    width = max(len(host) for host, _ in gpus)  # 0: no host column
+    host_column = f"{'host':<{width}} " if width else ""
+    print(f"{host_column}{'GPU':>3} {'samples':>7} {'mean util':>9} {'lowest':>6} "
+          f"{'mean power':>10} {'most memory':>11}")  # fmt: skip
     idle = []
-    for index, samples in sorted(gpus.items()):
+    for (host, index), samples in sorted(gpus.items()):
         util = [u for s in samples if (u := number(s.get("utilization.gpu", ""))) is not None]
         power = [p for s in samples if (p := number(s.get("power.draw", ""))) is not None]
         memory = [m for s in samples if (m := number(s.get("memory.used", ""))) is not None]
@@ -94,11 +100,11 @@ def main(argv=None):
         mean_power = statistics.fmean(power) if power else math.nan
         most_memory = max(memory, default=math.nan)
         print(
-            f"{index:>3} {len(samples):>7} {mean_util:>8.0f}% {lowest:>5.0f}% "
-            f"{mean_power:>9.0f}W {most_memory:>7.0f} MiB"
+            f"{f'{host:<{width}} ' if width else ''}{index:>3} {len(samples):>7} "
+            f"{mean_util:>8.0f}% {lowest:>5.0f}% {mean_power:>9.0f}W {most_memory:>7.0f} MiB"
         )
         if util and mean_util < args.idle_below:
-            idle.append(index)
+            idle.append(f"{index} on {host}" if host else index)
     if idle:
         print(
             f"Warning: GPU {', '.join(idle)} below {args.idle_below:.0f}% on average: the job "

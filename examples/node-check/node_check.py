@@ -3,10 +3,13 @@
 Every process (one per GPU, or a few on CPUs) multiplies two matrices on its device and checks
 the product against a float64 reference on the CPU, times it (GFLOP/s), and allocates and
 checks --mem-fraction of the device's memory. Then the processes sum their ranks with an
-all-reduce, and the first process of every node exchanges a tensor with the first process of
-every other node, one pair of nodes at a time, so that a bad link is named by its two nodes.
-Rank 0 prints one line per process and per pair of nodes, then "All N ranks on M nodes
-passed" (exit 0) or "FAILED: ..." lines (exit 1). Every wait is bounded by --timeout, so that a
+all-reduce, and every process exchanges a tensor with the process of the same local rank on
+every other node, one pair of nodes at a time, all local ranks at once: on nodes with one
+network card per GPU (rails), each rail is tested, and a bad or slow one is named by its two
+nodes and its local rank. Rank 0 prints one line per process and per pair of nodes and local
+rank, then "All N ranks on M nodes passed" (exit 0) or "FAILED: ..." lines (exit 1). A pair
+slower than --slow-fraction of the median of all pairs fails too. Every wait is bounded by
+--timeout, so that a
 dead node ends the check instead of hanging it. Run it under torchrun (RANK, WORLD_SIZE,
 LOCAL_RANK) or as one Slurm task per GPU (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID), with
 MASTER_ADDR and MASTER_PORT set; a node's name is SLURMD_NODENAME, else its host name.
@@ -21,6 +24,7 @@ import glob
 import itertools
 import os
 import socket
+import statistics
 import sys
 import time
 
@@ -64,14 +68,34 @@ def parse_args(argv=None):
         help="of the GPU's memory, or of the node's memory per process on CPUs (mind the "
         "job's --mem); default: 0.5 on GPUs, 0.01 on CPUs",
     )
-    parser.add_argument("--pair-bytes", type=positive_int, default=2**24, help="per node pair")
+    parser.add_argument("--pair-bytes", type=positive_int, default=2**24, help="per pair")
+    parser.add_argument(
+        "--slow-fraction",
+        type=fraction,
+        default=0.5,
+        help="a pair slower than this fraction of the median of all pairs fails",
+    )
     parser.add_argument("--timeout", type=positive_int, default=60, help="seconds to wait")
-    # Testing aids: make one rank compute a wrong product, or one node send wrong data.
+    # Testing aids: make one rank compute a wrong product, one node (or one of its local ranks)
+    # send wrong data, or one local rank's exchanges take a second longer.
     parser.add_argument(
         "--fail-rank", type=non_negative_int, help="testing aid: this rank computes wrongly"
     )
-    parser.add_argument("--fail-node", help="testing aid: this node sends wrong data")
+    parser.add_argument(
+        "--fail-node", type=node_rail, help="testing aid: NODE[:LOCAL_RANK] sends wrong data"
+    )
+    parser.add_argument(
+        "--slow-node", type=node_rail, help="testing aid: NODE[:LOCAL_RANK] is 1 s slower"
+    )
     return parser.parse_args(argv)
+
+
+def node_rail(text):
+    """NODE or NODE:LOCAL_RANK, as (node, local rank or None)."""
+    node, _, local = text.partition(":")
+    if not node or (local and not local.isdecimal()):
+        raise argparse.ArgumentTypeError(f"must be NODE or NODE:LOCAL_RANK (got {text!r})")
+    return node, int(local) if local else None
 
 
 def fail(message, code=2):
@@ -188,24 +212,32 @@ def check_memory(torch, device, args):
 
 
 def check_pairs(torch, dist, device, hosts, rank, args):
-    """The first rank of each node exchanges --pair-bytes with the first rank of every other
-    node, pair by pair in the same order everywhere (so no send waits for a later one).
-    Returns {(node, node): (problem or None, GB/s)} for the pairs this rank took part in."""
+    """Local rank k of each node exchanges --pair-bytes with local rank k of every other node:
+    on a node with one network card per GPU, each card (rail) carries its own GPU's traffic.
+    Node pair by node pair, in the same order everywhere (so no send waits for a later one),
+    and all local ranks at once, as in training. Returns {(node, node, local rank): (problem
+    or None, GB/s)} for the pairs this rank took part in."""
     nodes = list(dict.fromkeys(hosts))  # in the order of their first rank
-    leaders = [hosts.index(node) for node in nodes]
+    ranks_of = {node: [r for r, host in enumerate(hosts) if host == node] for node in nodes}
+    local = ranks_of[hosts[rank]].index(rank)  # this rank's place on its node
     count = args.pair_bytes // 4 or 1
     results = {}
     for i, j in itertools.combinations(range(len(nodes)), 2):
-        if rank not in (leaders[i], leaders[j]):
+        if hosts[rank] not in (nodes[i], nodes[j]):
             continue
-        peer = leaders[j] if rank == leaders[i] else leaders[i]
+        other = nodes[j] if hosts[rank] == nodes[i] else nodes[i]
+        if local >= len(ranks_of[other]):  # the other node has fewer ranks
+            continue
+        peer = ranks_of[other][local]
         mine = torch.full((count,), float(rank + 1), device=device)
-        if args.fail_node == hosts[rank]:
-            mine[count // 2] = 0  # --fail-node: what this node sends arrives wrong
+        if args.fail_node in ((hosts[rank], None), (hosts[rank], local)):
+            mine[count // 2] = 0  # --fail-node: what this rank sends arrives wrong
         theirs = torch.empty(count, device=device)
         for _ in range(2):  # the first exchange also sets up the connection: time the second
             start = time.perf_counter()
-            if rank == leaders[i]:  # the lower node sends first, the higher one receives first
+            if args.slow_node in ((hosts[rank], None), (hosts[rank], local)):
+                time.sleep(1)  # --slow-node: this rank's link is slow
+            if hosts[rank] == nodes[i]:  # the lower node sends first, the higher one receives
                 dist.send(mine, peer)
                 dist.recv(theirs, peer)
             else:
@@ -215,12 +247,12 @@ def check_pairs(torch, dist, device, hosts, rank, args):
                 torch.cuda.synchronize(device)
         gbps = 2 * count * 4 / (time.perf_counter() - start) / 1e9
         bad = int((theirs != peer + 1).sum())
-        problem = f"{hosts[rank]} received wrong data from {hosts[peer]} ({bad} of {count})"
-        results[(nodes[i], nodes[j])] = (problem if bad else None, gbps)
+        problem = f"{hosts[rank]} received wrong data from {other} ({bad} of {count})"
+        results[(nodes[i], nodes[j], local)] = (problem if bad else None, gbps)
     return results
 
 
-def summary(results):
+def summary(results, slow_fraction):
     """Rank 0's lines, made from every rank's results, and the failures among them."""
     lines, failures = [], []
     for r in results:
@@ -235,9 +267,13 @@ def summary(results):
         for pair, (problem, gbps) in r["pairs"].items():
             old_problem, old_gbps = pairs.get(pair, (None, gbps))
             pairs[pair] = (old_problem or problem, max(old_gbps, gbps))  # less waiting
-    for (a, b), (problem, gbps) in sorted(pairs.items()):
-        lines.append(f"nodes {a} <-> {b}: {gbps:.2f} GB/s: {problem or 'ok'}")
-        failures += [f"nodes {a} <-> {b}: {problem}"] if problem else []
+    median = statistics.median(gbps for _, gbps in pairs.values()) if pairs else 0
+    for (a, b, local), (problem, gbps) in sorted(pairs.items()):
+        if not problem and gbps < slow_fraction * median:  # a slow rail, link or card
+            problem = (f"slow: {gbps:.2f} GB/s, under {slow_fraction:g} x the median of "
+                       f"all pairs, {median:.2f} GB/s")  # fmt: skip
+        lines.append(f"nodes {a} <-> {b}, local rank {local}: {gbps:.2f} GB/s: {problem or 'ok'}")
+        failures += [f"nodes {a} <-> {b}, local rank {local}: {problem}"] if problem else []
     return lines, failures
 
 
@@ -297,7 +333,7 @@ def main(argv=None):
         first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
         fail(f"rank {rank} on {host}: {stage} did not complete within {args.timeout} s "
              f"({first_line})", code=1)  # fmt: skip
-    lines, failures = summary(results)
+    lines, failures = summary(results, args.slow_fraction)
     if rank == 0:
         nodes = len({r["host"] for r in results})
         print(

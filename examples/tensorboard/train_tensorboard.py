@@ -3,8 +3,10 @@
 The event files need no server and no internet while the job runs: they land in
 <output-dir>/runs/<job id>-<run name>/ ("local-..." outside Slurm), one folder per run, and
 TensorBoard reads them later, from a login node or your own computer. The script logs the loss
-and learning rate of every step and the images/s of every epoch, then prints the command that
-shows them.
+and learning rate of every step and the images/s of every epoch, saves a checkpoint after each
+epoch (<output-dir>/checkpoints/<run folder>.pt), and prints the command that shows the runs.
+A job that starts again under the same run folder (a requeued job) resumes from its checkpoint,
+and TensorBoard drops what the first start logged after it: each step is shown once.
 
     python train_tensorboard.py
     sbatch tensorboard.sbatch                  # one task; the runs land in the submission folder
@@ -138,6 +140,37 @@ def make_model(classes=10):
     )  # fmt: skip
 
 
+def save_checkpoint(path, model, optimizer, scheduler, epoch, step, config):
+    """To a temporary file, then renamed: a file with the checkpoint's name is complete."""
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+             "scheduler": scheduler.state_dict(), "epoch": epoch, "step": step,
+             "config": config}  # fmt: skip
+    temporary = path.with_name(path.name + ".tmp")
+    torch.save(state, temporary)
+    os.replace(temporary, path)
+
+
+def resume(path, model, optimizer, scheduler, config):
+    """(epoch, step) the run goes on from: those of its checkpoint, or (0, 0) without one."""
+    if not path.exists():
+        return 0, 0
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        saved = state["config"]
+        epoch, step = state["epoch"], state["step"]
+    except Exception as error:  # noqa: BLE001 (one line: what is wrong, and what to do)
+        fail(f"cannot resume from {path} ({type(error).__name__}): delete it to start again")
+    for name in config:
+        if saved.get(name) != config[name]:
+            option = "--" + name.replace("_", "-")
+            fail(f"{path} is a run with {option} {saved.get(name)}, not {config[name]}: pass "
+                 "the same options, another --run-name, or delete it to start again")  # fmt: skip
+    return epoch, step
+
+
 def train_epoch(model, loader, optimizer, scheduler, device, writer, step):
     """One epoch; logs each step's loss and learning rate. Returns (mean loss, images, step)."""
     losses, rates, images_seen = [], [], 0
@@ -190,14 +223,22 @@ def main(argv=None):
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, args.epochs * len(loader))
 
     log_dir = run_dir(args.output_dir, args.run_name or f"seed{args.seed}")
-    if log_dir.exists():  # a requeued job adds to its run; TensorBoard shows one run
-        print(f"note: {log_dir} exists: this run's events are added to it")
-    writer = SummaryWriter(log_dir=str(log_dir))
+    checkpoint = log_dir.parent.parent / "checkpoints" / f"{log_dir.name}.pt"
+    options = ("epochs", "batch_size", "lr", "fake_size", "seed")  # those a resume must keep
+    config = {name: getattr(args, name) for name in options}
+    done, step = resume(checkpoint, model, optimizer, scheduler, config)
+    if log_dir.exists():  # a requeued job goes on in its run; TensorBoard shows one run
+        print(f"note: {log_dir} exists: this run goes on in it from step {step}")
+    if done:
+        print(f"resumed from {checkpoint} after epoch {done} of {args.epochs}, step {step}")
+    # purge_step: TensorBoard hides what an earlier start logged from this step on (the steps
+    # after its last checkpoint), so that each step appears once in the curves.
+    writer = SummaryWriter(log_dir=str(log_dir), purge_step=step)
+    checkpoint.parent.mkdir(exist_ok=True)
     host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     print(f"{host}, {device.type}: {args.epochs} epochs of {len(loader)} steps, logging to "
           f"{log_dir}")  # fmt: skip
-    step = 0
-    for epoch in range(1, args.epochs + 1):
+    for epoch in range(done + 1, args.epochs + 1):
         start = time.perf_counter()
         loss, images_seen, step = train_epoch(
             model, loader, optimizer, scheduler, device, writer, step
@@ -205,21 +246,41 @@ def main(argv=None):
         rate = images_seen / (time.perf_counter() - start)
         if not math.isfinite(loss):
             fail(f"loss is {loss} at epoch {epoch}, step {step}: try a lower --lr")
-        writer.add_scalar("epoch/loss", loss, epoch)
-        writer.add_scalar("epoch/images_per_s", rate, epoch)
+        # Every tag on one axis, the global step (here the epoch's last): purge_step drops
+        # every tag's values from the resumed step on.
+        writer.add_scalar("epoch/loss", loss, step - 1)
+        writer.add_scalar("epoch/images_per_s", rate, step - 1)
         writer.flush()  # on disk now: a job that ends early still has its curves
         print(f"epoch {epoch}: loss {loss:.4f}, {rate:.0f} images/s")
+        save_checkpoint(checkpoint, model, optimizer, scheduler, epoch, step, config)
     writer.close()
 
     events = sorted(log_dir.glob("events.out.tfevents.*"), key=lambda p: p.stat().st_mtime)
     if not events:
         fail(f"no event file in {log_dir}")
-    port = 16000 + os.getuid() % 10000  # your own port: two users on a login node differ
     print(f"Event file: {events[-1]}")
-    print("View the runs on a login node (the port comes from your user id):")
+    port = tensorboard_port(host)
+    print(f"View the runs on a login node (port {port} is free on {host} now):")
     print(f"    tensorboard --logdir {log_dir.parent} --port {port}")
     print(f"On your own computer, a tunnel to that login node, then http://localhost:{port}:")
     print(f"    ssh -N -L {port}:localhost:{port} {getpass.getuser()}@<login node>")
+
+
+def tensorboard_port(host, tries=10):
+    """A port for TensorBoard: one per job (from the job id; outside a job, the user id), so
+    that users of one login node differ; the next one when it is in use here."""
+    job = os.environ.get("SLURM_JOB_ID", "")
+    first = 16000 + (int(job) if job.isdecimal() else os.getuid()) % 10000
+    for port in range(first, first + tries):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))  # what TensorBoard will do
+            except OSError:
+                continue
+        return port
+    print(f"note: ports {first} to {first + tries - 1} are all in use on {host}: choose "
+          "another with --port and in the tunnel")  # fmt: skip
+    return first
 
 
 if __name__ == "__main__":
