@@ -259,12 +259,16 @@ def test_nccl_on_the_gpus(tmp_path):
     assert f"with {gpus} ranks (nccl)" in out.splitlines()[-1]
 
 
-def test_the_job_script_keeps_pytorchs_nccl_error_handling():
+JOB_SCRIPTS = sorted([*EXAMPLES.glob("*/*.sbatch"), *EXAMPLES.glob("*/*.qsub")])
+
+
+@pytest.mark.parametrize("script", JOB_SCRIPTS, ids=lambda path: path.name)
+def test_the_job_script_keeps_pytorchs_nccl_error_handling(script):
     """PyTorch's default TORCH_NCCL_ASYNC_ERROR_HANDLING, 3, ends every process after a failed
-    collective without calling ncclCommAbort, which can hang in turn; 1 aborts first. The job
+    collective without calling ncclCommAbort, which can hang in turn; 1 aborts first. A job
     script may leave it unset or set 3, nothing else (in an export, an assignment, srun
     --export)."""
-    code = [line.split(" #")[0] for line in (FOLDER / "node_check.sbatch").read_text().splitlines()
+    code = [line.split(" #")[0] for line in script.read_text().splitlines()
             if not line.lstrip().startswith("#")]  # fmt: skip
     settings = re.findall(r"\b(?:TORCH_)?NCCL_ASYNC_ERROR_HANDLING=(\w*)", "\n".join(code))
     assert set(settings) <= {"3"}, settings
