@@ -389,18 +389,25 @@ exec "$@"
 """
 
 
-def on_a_gpu_node(command, folder):
-    """command, run where /dev/nvidia0 exists and no GPU is behind it (a node whose driver or
-    PyTorch build cannot serve it); skips, saying why, where no mount namespace can be made or
-    where PyTorch can use a real GPU."""
-    if HAS_CUDA:
-        pytest.skip("PyTorch can use a GPU here: the stand-in GPU node needs one where it cannot")
+def private_mount_namespace():
+    """The command prefix of a private mount namespace (an unprivileged user namespace where
+    the tests do not run as root), or a skip that says why there is none."""
     unshare = ["unshare", "--mount", "--propagation", "private"]
     if os.geteuid() != 0:
         unshare[1:1] = ["--user", "--map-root-user"]
     probe = subprocess.run([*unshare, "true"], capture_output=True, text=True, check=False)
     if probe.returncode != 0:
         pytest.skip(f"no private mount namespace here ({probe.stderr.strip()}): run as root")
+    return unshare
+
+
+def on_a_gpu_node(command, folder):
+    """command, run where /dev/nvidia0 exists and no GPU is behind it (a node whose driver or
+    PyTorch build cannot serve it); skips, saying why, where no mount namespace can be made or
+    where PyTorch can use a real GPU."""
+    if HAS_CUDA:
+        pytest.skip("PyTorch can use a GPU here: the stand-in GPU node needs one where it cannot")
+    unshare = private_mount_namespace()
     dev = folder / "dev"
     dev.mkdir()
     return [*unshare, "sh", "-c", GPU_NODE, "sh", str(dev), *(str(part) for part in command)]

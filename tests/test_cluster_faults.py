@@ -21,7 +21,15 @@ import pytest
 import torch
 from recorded import check_recorded
 
-from conftest import EXAMPLES, example_env, free_port, load_example, make_fake_shards, run
+from conftest import (
+    EXAMPLES,
+    example_env,
+    free_port,
+    load_example,
+    make_fake_shards,
+    private_mount_namespace,
+    run,
+)
 
 TRAIN_CHECKPOINT = EXAMPLES / "checkpointing" / "train_checkpoint.py"
 PREEMPTIBLE = EXAMPLES / "preemption" / "preemptible.py"
@@ -61,17 +69,6 @@ exit "$status"
 """
 
 
-def namespace():
-    """The command prefix of a private mount namespace, or a skip that says why there is none."""
-    unshare = ["unshare", "--mount", "--propagation", "private"]
-    if os.geteuid() != 0:
-        unshare[1:1] = ["--user", "--map-root-user"]
-    probe = subprocess.run([*unshare, "true"], capture_output=True, text=True, check=False)
-    if probe.returncode != 0:
-        pytest.skip(f"no private mount namespace here ({probe.stderr.strip()}): run as root")
-    return unshare
-
-
 def one_line(stderr, script):
     """The single line a script ended with: there is no other, and no traceback."""
     lines = stderr.strip().splitlines()
@@ -87,9 +84,9 @@ def test_a_full_disk_stops_the_save_in_one_line_and_keeps_the_last_checkpoint(tm
     kept.mkdir()
     command = [sys.executable, script, *CPU, *args, option, folder.name]
     env = example_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), OMP_NUM_THREADS=1)
+    shell = ["sh", "-c", ON_A_SMALL_DISK, "sh", *map(str, [folder, size, kept, world, *command])]
     proc = subprocess.run(
-        [*namespace(), "sh", "-c", ON_A_SMALL_DISK, "sh", *map(str, [folder, size, kept, world,
-                                                                     *command])],
+        [*private_mount_namespace(), *shell],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180, check=False,
     )  # fmt: skip
     out, err = (tmp_path / "out0").read_text(), (tmp_path / "err0").read_text()
