@@ -89,7 +89,7 @@ def pytest_collection_modifyitems(config, items):
     # venv tests install PyTorch three times. On a cold cache, the site builds, the Horovod
     # build and DeepSpeed's op builds take minutes: start them early.
     first = {"test_slurm.py": 0, "test_site.py": 1, "test_deepspeed.py": 2, "test_horovod.py": 3,
-             "test_install_venv.py": 4, "test_gridengine.py": 5}  # fmt: skip
+             "test_install_venv.py": 4, "test_gridengine.py": 5, "test_pbs.py": 6}  # fmt: skip
     items.sort(key=lambda item: first.get(item.path.name, len(first)))
 
 
@@ -499,6 +499,49 @@ def gridengine_cell():
         if proc is not None and proc.returncode != 0:
             pytest.fail(f"the Grid Engine cell did not start:\n{proc.stdout}{proc.stderr}")
         yield {"SGE_ROOT": "/var/lib/gridengine", "SGE_CELL": "default"}, seconds
+    finally:
+        with lock:
+            others = live_users()
+            users.write_text(" ".join(others))
+            if not others:
+                subprocess.run(["bash", script, "down"], capture_output=True, check=False)
+
+
+@pytest.fixture(scope="session")
+def pbs_complex():
+    """The tests' OpenPBS complex (tests/pbs/complex.sh): started once, stopped at the end.
+
+    Returns (the environment the PBS clients need, seconds it took to start). The first start
+    on a machine builds OpenPBS (tests/pbs/build.sh, cached); like the Grid Engine cell, one
+    complex per machine is shared by the pytest workers that need it.
+    """
+    if os.geteuid() != 0:
+        pytest.skip("the PBS tests need root to build OpenPBS and start its daemons; CI runs them")
+    script = TESTS / "pbs" / "complex.sh"
+    users = Path(tempfile.gettempdir()) / "pytorch-on-hpc-pbs.users"
+    lock = filelock.FileLock(f"{users}.lock")
+
+    def live_users():
+        pids = users.read_text().split() if users.exists() else []
+        return [pid for pid in pids if Path("/proc", pid).exists() and pid != str(os.getpid())]
+
+    start = time.perf_counter()
+    with lock:
+        others = live_users()
+        proc = None
+        if not others:
+            proc = subprocess.run(["bash", script, "up"], capture_output=True, text=True,
+                                  check=False)  # fmt: skip
+        users.write_text(" ".join([*others, str(os.getpid())]))
+    seconds = time.perf_counter() - start
+    try:
+        if proc is not None and proc.returncode != 0:
+            pytest.fail(f"the OpenPBS complex did not start:\n{proc.stdout}{proc.stderr}")
+        conf = Path("/var/spool/pbs-tests.conf")
+        exec_dir = re.search(r"^PBS_EXEC=(.*)$", conf.read_text(), re.M)[1]
+        # PBS's qsub before Grid Engine's, which is on PATH too.
+        path = f"{exec_dir}/bin{os.pathsep}{os.environ['PATH']}"
+        yield {"PBS_CONF_FILE": str(conf), "PBS_EXEC": exec_dir, "PATH": path}, seconds
     finally:
         with lock:
             others = live_users()

@@ -25,7 +25,7 @@ EXAMPLE_FILES = sorted(
     path for path in EXAMPLES.rglob("*") if path.is_file() and "__pycache__" not in path.parts
 )
 SHELL_SCRIPTS = sorted(
-    [p for p in EXAMPLE_FILES if p.suffix in (".sh", ".sbatch", ".qsub")]
+    [p for p in EXAMPLE_FILES if p.suffix in (".sh", ".sbatch", ".qsub", ".pbs")]
     + list(TESTS.rglob("*.sh"))
     + sorted(p for p in (TESTS / "standins").rglob("*") if p.is_file())
 )

@@ -82,16 +82,20 @@ def parse_args(argv=None):
 
 
 def task_number(args):
-    """The row to train: --task, else Slurm's array task id, else Grid Engine's (from 1)."""
+    """The row to train: --task, else Slurm's array task id, PBS's array index (both from 0 in
+    the job scripts), else Grid Engine's task id (from 1)."""
     if args.task is not None:
         return args.task
-    for name, first in (("SLURM_ARRAY_TASK_ID", 0), ("SGE_TASK_ID", 1)):
+    for name, first in (("SLURM_ARRAY_TASK_ID", 0), ("PBS_ARRAY_INDEX", 0), ("SGE_TASK_ID", 1)):
         value = os.environ.get(name, "")
         if value and value != "undefined":  # Grid Engine sets "undefined" outside arrays
             if not value.isdecimal() or int(value) < first:
                 fail(f"{name}={value!r} is not a task number")
             return int(value) - first
-    fail("not an array task: pass --task N, or submit with sbatch --array / qsub -t")
+    fail(
+        "not an array task: pass --task N, or submit with sbatch --array, qsub -J (PBS) or "
+        "qsub -t (Grid Engine)"
+    )
 
 
 def read_row(path, task):
@@ -166,7 +170,8 @@ def main(argv=None):
         fail(f"cannot remove the earlier result {earlier}: {error.strerror}")
     start = time.perf_counter()
     val_loss, accuracy = train(config, args.epochs)
-    job = os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("JOB_ID") or "local"
+    job = (os.environ.get("SLURM_ARRAY_JOB_ID") or os.environ.get("PBS_ARRAY_ID")
+           or os.environ.get("JOB_ID") or "local")  # fmt: skip
     result = {"task": task, **config, "epochs": args.epochs, "val_loss": round(val_loss, 4),
               "val_accuracy": round(accuracy, 4), "job": job,
               "seconds": round(time.perf_counter() - start, 2)}  # fmt: skip

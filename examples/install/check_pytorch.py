@@ -38,7 +38,8 @@ GPU_DEVICE_FILES = ("/dev/nvidia[0-9]*", "/dev/kfd")
 
 HOW_TO_REQUEST_A_GPU = (
     "request one: Slurm '#SBATCH --gpus-per-node=1' (or --gres=gpu:1), "
-    "Grid Engine '#$ -l gpu=1' (resource names vary: see your site's documentation)"
+    "Grid Engine '#$ -l gpu=1', PBS '#PBS -l select=1:ncpus=4:ngpus=1' (resource names vary: "
+    "see your site's documentation)"
 )
 
 
@@ -160,11 +161,13 @@ def why_no_gpu(torch, driver):
 
 
 def cpu_threads():
-    """CPUs this process may use: the Slurm allocation first, else the CPU affinity mask."""
+    """CPUs this process may use: the scheduler's allocation first, else the CPU affinity mask."""
     if os.environ.get("SLURM_CPUS_PER_TASK"):
         return env_count("SLURM_CPUS_PER_TASK"), "SLURM_CPUS_PER_TASK"
     if os.environ.get("NSLOTS"):  # Grid Engine: slots of a parallel environment
         return env_count("NSLOTS"), "NSLOTS"
+    if os.environ.get("PBS_JOBID") and os.environ.get("NCPUS"):  # PBS: ncpus of this chunk
+        return env_count("NCPUS"), "NCPUS"
     return len(os.sched_getaffinity(0)), "CPU affinity"
 
 

@@ -1,0 +1,131 @@
+"""Every PBS job script in examples/, submitted with qsub to a real OpenPBS complex.
+
+The complex (tests/pbs/complex.sh: OpenPBS built from source by tests/pbs/build.sh) has two
+nodes, pbs-n1 and pbs-n2, each with 4 ncpus and a consumable ngpus (2), one queue, workq, and
+job history, so that qstat -x reports every finished job's exit status; it is started once for
+these tests and stopped at the end.
+"""
+
+import json
+import os
+import re
+import time
+
+import pytest
+
+from conftest import EXAMPLES, Job, copy_example, run
+
+pytestmark = pytest.mark.pbs
+
+TRAIN = ("--device", "cpu", "--fake-data", "--fake-size", "512", "--epochs", "2")
+
+# One entry per PBS job script in examples/ (a test fails when one is missing). args travel as
+# ARGS (qsub -v): PBS passes no arguments to a job script.
+JOBS = {
+    "first-job/check_pytorch.pbs": Job(
+        files=("install/check_pytorch.py",),
+        args=("--size", "64"),
+        expect=(
+            "Job {job_id} on ",
+            "CPU threads:     4 (from NCPUS)",
+            "Test product:    64x64 on cpu",
+            "Result: PyTorch",
+        ),
+    ),
+}
+PBS_SCRIPTS = sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*.pbs"))
+# Scripts with a test of their own below (arrays, chained jobs).
+OWN_TESTS = set()
+SINGLE_JOBS = [s for s in PBS_SCRIPTS if s not in OWN_TESTS]
+
+
+def qsub(script, *options, args=(), cwd, env, extra=None):
+    """Submit with the test's MODULEPATH and VENV (a reader's login environment has them) and
+    the script's options in ARGS; the job id (e.g. 12.pbs-n1)."""
+    values = {"MODULEPATH": env["MODULEPATH"], "VENV": env["VENV"], **(extra or {})}
+    if args:
+        values["ARGS"] = " ".join(args)
+    assert not any("," in str(value) for value in values.values()), values  # -v splits on ","
+    variables = ",".join(f"{name}={value}" for name, value in values.items())
+    return run(["qsub", "-v", variables, *options, script], cwd=cwd, env=env).stdout.strip()
+
+
+def job_record(job_id, env):
+    proc = run(["qstat", "-x", "-f", "-F", "json", job_id], cwd="/", env=env, expect_rc=None)
+    if proc.returncode != 0:
+        return {}
+    return next(iter(json.loads(proc.stdout).get("Jobs", {}).values()), {})
+
+
+def wait_for(job_id, env, timeout=120):
+    """Poll until the job has finished (qstat -x: state F); return its record."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        record = job_record(job_id, env)
+        if record.get("job_state") == "F":
+            return record
+        time.sleep(0.3)
+    pytest.fail(f"PBS job {job_id} did not finish within {timeout} s", pytrace=False)
+
+
+def output_of(folder, name, job_id):
+    """The job's output file, <name>.o<number> (-j oe: stderr merged into it)."""
+    path = folder / f"{name}.o{job_id.split('.')[0]}"
+    return path.read_text() if path.exists() else ""
+
+
+def expected(line, job_id):
+    return line.format(job_id=job_id) if isinstance(line, str) else line
+
+
+@pytest.fixture
+def complex_env(pbs_complex, job_env):
+    return {**job_env, **pbs_complex[0]}
+
+
+def test_every_pbs_job_script_has_a_test():
+    assert sorted([*JOBS, *OWN_TESTS]) == PBS_SCRIPTS, "add the new job script to tests/test_pbs.py"
+
+
+def test_complex_has_two_nodes_with_gpus(pbs_complex, record_property):
+    env, seconds = pbs_complex
+    record_property("timing", f"OpenPBS complex start: {seconds:.1f} s")
+    nodes = json.loads(run(["pbsnodes", "-a", "-F", "json"], cwd="/",
+                           env={**os.environ, **env}).stdout)["nodes"]  # fmt: skip
+    assert sorted(nodes) == ["pbs-n1", "pbs-n2"], nodes
+    for node in nodes.values():
+        assert node["resources_available"]["ngpus"] == 2, node
+
+
+@pytest.mark.parametrize("script", SINGLE_JOBS)
+def test_job_script_completes_under_pbs(complex_env, tmp_path, script, record_property):
+    job = JOBS[script]
+    copy_example(tmp_path, script, *job.files)
+    name = script.split("/")[-1]
+    start = time.perf_counter()
+    job_id = qsub(name, args=job.args, cwd=tmp_path, env=complex_env)
+    record = wait_for(job_id, complex_env)
+    record_property("timing", f"PBS job {script}: {time.perf_counter() - start:.1f} s")
+    output = output_of(tmp_path, record["Job_Name"], job_id)
+    assert record.get("Exit_status") == 0, output
+    for line in job.expect:
+        line = expected(line, job_id)
+        if isinstance(line, str):
+            assert line in output, output
+        else:
+            assert line.search(output), output
+
+
+@pytest.mark.parametrize("script", SINGLE_JOBS)
+def test_a_broken_job_script_fails_under_pbs(complex_env, tmp_path, script):
+    job = JOBS[script]
+    copy_example(tmp_path, script, *job.files)
+    name = script.split("/")[-1]
+    text = (tmp_path / name).read_text()
+    module = re.search(r"^module load (\S+)", text, re.M)
+    (tmp_path / name).write_text(text.replace(module[0], module[0] + "-typo", 1))
+    job_id = qsub(name, args=job.args, cwd=tmp_path, env=complex_env)
+    record = wait_for(job_id, complex_env)
+    output = output_of(tmp_path, record["Job_Name"], job_id)
+    assert record.get("Exit_status") not in (0, None), output
+    assert "unknown" in output and "epoch 2" not in output, output
