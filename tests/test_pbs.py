@@ -1,7 +1,7 @@
 """Every PBS job script in examples/, submitted with qsub to a real OpenPBS complex.
 
 The complex (tests/pbs/complex.sh: OpenPBS built from source by tests/pbs/build.sh) has two
-nodes, pbs-n1 and pbs-n2, each with 4 ncpus and a consumable ngpus (2), one queue, workq, and
+nodes, pbs-n1 and pbs-n2, each with 16 ncpus, 256 GB and a consumable ngpus (2), one queue, workq, and
 job history, so that qstat -x reports every finished job's exit status; it is started once for
 these tests and stopped at the end.
 """
@@ -30,6 +30,20 @@ JOBS = {
             "CPU threads:     4 (from NCPUS)",
             "Test product:    64x64 on cpu",
             "Result: PyTorch",
+        ),
+    ),
+    "one-gpu/cnn_gpu.pbs": Job(
+        files=("one-gpu/cnn_gpu.py",),
+        args=("--fake-data", "--fake-size", "32", "--epochs", "1", "--batch-size", "16"),
+        expect=("Job {job_id} on ", "8 CPUs", "tuned: ", "workers=7"),
+    ),
+    "ddp/ddp_torchrun.pbs": Job(
+        files=("ddp/ddp.py",),
+        args=TRAIN,
+        expect=(
+            "Job {job_id}: 2 node(s) x 2 processes, rendezvous at pbs-n1:",
+            "4 processes, cpu (gloo), global batch 256",
+            "epoch 2: loss ",
         ),
     ),
 }

@@ -109,13 +109,17 @@ def env_count(name):
     """A count set by the scheduler (1 or more), or one line naming the variable and its value."""
     value = os.environ[name]
     if not (value.isdecimal() and int(value) > 0):
-        fail(f"{name}={value!r} is not a whole number above 0 (set by Slurm, or in the job script)")
+        fail(f"{name}={value!r} is not a whole number above 0 (set by the scheduler, or in the "
+             "job script)")  # fmt: skip
     return int(value)
 
 
 def allocated_cpus():
+    """The cores the scheduler gave: Slurm's cpus-per-task, PBS's ncpus, else the affinity mask."""
     if os.environ.get("SLURM_CPUS_PER_TASK"):
         return env_count("SLURM_CPUS_PER_TASK")
+    if os.environ.get("PBS_JOBID") and os.environ.get("NCPUS"):
+        return env_count("NCPUS")
     return len(os.sched_getaffinity(0))
 
 

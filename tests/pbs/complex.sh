@@ -1,9 +1,10 @@
 #!/bin/bash
 # Start or stop the tests' OpenPBS complex: OpenPBS built by tests/pbs/build.sh (cached), one
 # host running the server, the scheduler, the communication daemon, the PostgreSQL data service
-# and two MoMs, so that the complex has two nodes, pbs-n1 and pbs-n2, each with 4 ncpus and
-# 2 ngpus (a consumable the scheduler counts), a default queue workq, fast scheduling and job
-# history (qstat -x). Needs root.
+# and two MoMs, so that the complex has two nodes, pbs-n1 and pbs-n2, each with 16 ncpus, 256 GB
+# and 2 ngpus (a consumable the scheduler counts), a default queue workq, fast scheduling and job
+# history (qstat -x). The node sizes are what jobs may ask for, as on a GPU node, not what this
+# machine has: the job scripts keep their readers' sizes. Needs root.
 #
 #     bash tests/pbs/complex.sh up      # prints the variables the clients need
 #     bash tests/pbs/complex.sh down
@@ -79,6 +80,14 @@ up() {
         echo "\$usecp *:/ /" >> "$home/mom_priv/config"
         echo "PBS_CONF_FILE=$CONF1" >> "$home/pbs_environment"
     done
+    # Jobs run in a login shell, whose PATH gets PBS's commands from /etc/profile.d/pbs.sh
+    # (installed by OpenPBS): there, first, as on a PBS site, not after Grid Engine's qstat and
+    # qsub in /usr/bin (the Grid Engine tests' cell is installed here too).
+    if [[ -f /etc/profile.d/pbs.sh ]]; then
+        # shellcheck disable=SC2016  # the variables are pbs.sh's own
+        sed -i 's|export PATH="${PATH}:${__PBS_EXEC}/bin"|export PATH="${__PBS_EXEC}/bin:${PATH}"|' \
+            /etc/profile.d/pbs.sh
+    fi
     # ngpus is a consumable only once the scheduler counts it.
     sed -i 's/^resources: "\(.*\)"$/resources: "\1, ngpus"/' "$HOME1/sched_priv/sched_config"
     PBS_CONF_FILE=$CONF1 "$PBS_EXEC/libexec/pbs_init.d" start > "$HOME1.start.log" 2>&1 \
@@ -96,12 +105,13 @@ up() {
     for node in pbs-n1:15002 pbs-n2:15012; do
         PBS_CONF_FILE=$CONF1 "$PBS_EXEC/bin/pbsnodes" "${node%:*}" >/dev/null 2>&1 \
             || qmgr_ "create node ${node%:*} port=${node#*:}"
-        qmgr_ "set node ${node%:*} resources_available.ncpus = 4" \
+        qmgr_ "set node ${node%:*} resources_available.ncpus = 16" \
+              "set node ${node%:*} resources_available.mem = 256gb" \
               "set node ${node%:*} resources_available.ngpus = 2"
     done
     wait_for 60 "both nodes free" bash -c \
         "[[ \$(PBS_CONF_FILE=$CONF1 $PBS_EXEC/bin/pbsnodes -a | grep -c 'state = free') == 2 ]]"
-    echo "OpenPBS complex up in ${SECONDS} s: nodes pbs-n1, pbs-n2 (4 ncpus, 2 ngpus each), queue workq"
+    echo "OpenPBS complex up in ${SECONDS} s: nodes pbs-n1, pbs-n2 (16 ncpus, 256 GB, 2 ngpus each), queue workq"
     echo "export PBS_CONF_FILE=$CONF1 PBS_EXEC=$PBS_EXEC"
 }
 
