@@ -1,14 +1,15 @@
 """Every PBS job script in examples/, submitted with qsub to a real OpenPBS complex.
 
 The complex (tests/pbs/complex.sh: OpenPBS built from source by tests/pbs/build.sh) has two
-nodes, pbs-n1 and pbs-n2, each with 16 ncpus, 256 GB and a consumable ngpus (2), one queue, workq, and
-job history, so that qstat -x reports every finished job's exit status; it is started once for
-these tests and stopped at the end.
+nodes, pbs-n1 and pbs-n2, each with 16 ncpus, 256 GB and a consumable ngpus (2), one queue,
+workq, and job history, so that qstat -x reports every finished job's exit status; it is started
+once for these tests and stopped at the end.
 """
 
 import json
 import os
 import re
+import signal
 import time
 
 import pytest
@@ -49,7 +50,7 @@ JOBS = {
 }
 PBS_SCRIPTS = sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*.pbs"))
 # Scripts with a test of their own below (arrays, chained jobs).
-OWN_TESTS = set()
+OWN_TESTS = {"checkpointing/train_checkpoint.pbs"}
 SINGLE_JOBS = [s for s in PBS_SCRIPTS if s not in OWN_TESTS]
 
 
@@ -143,3 +144,77 @@ def test_a_broken_job_script_fails_under_pbs(complex_env, tmp_path, script):
     output = output_of(tmp_path, record["Job_Name"], job_id)
     assert record.get("Exit_status") not in (0, None), output
     assert "unknown" in output and "epoch 2" not in output, output
+
+
+CHECKPOINT_ARGS = (
+    "--device",
+    "cpu",
+    "--fake-data",
+    "--fake-size",
+    "256",
+    "--checkpoint-every",
+    "4",
+)
+
+
+def test_a_chain_of_jobs_goes_on_from_the_last_checkpoint(complex_env, tmp_path):
+    """train_checkpoint.pbs twice, the second with -W depend=afterany on the first: the second
+    starts only once the first has ended and resumes its run from the newest checkpoint."""
+    copy_example(
+        tmp_path, "checkpointing/train_checkpoint.pbs", "checkpointing/train_checkpoint.py"
+    )
+    root = {"CHECKPOINT_ROOT": tmp_path / "scratch"}
+    first = qsub("train_checkpoint.pbs", args=(*CHECKPOINT_ARGS, "--epochs", "1"), cwd=tmp_path,
+                 env=complex_env, extra=root)  # fmt: skip
+    second = qsub("train_checkpoint.pbs", "-W", f"depend=afterany:{first}",
+                  args=(*CHECKPOINT_ARGS, "--epochs", "2"), cwd=tmp_path, env=complex_env,
+                  extra=root)  # fmt: skip
+    record = wait_for(second, complex_env, timeout=240)
+    before = wait_for(first, complex_env)
+    out1 = output_of(tmp_path, "train-checkpoint", first)
+    out2 = output_of(tmp_path, "train-checkpoint", second)
+    assert before.get("Exit_status") == 0 and record.get("Exit_status") == 0, out1 + out2
+    folder = tmp_path / "scratch" / "train-checkpoint" / "checkpoints"
+    assert f"Job {first} on " in out1 and "starting from scratch" in out1, out1
+    assert "epoch 1: loss " in out1 and "epoch 2" not in out1, out1
+    # The second started once the first had ended, and went on from where it stopped.
+    assert pbs_time(record["stime"]) >= pbs_time(before["obittime"]), (record, before)
+    resumed = re.search(rf"resumed from {re.escape(str(folder))}/\S+ after (\d+) of (\d+) steps",
+                        out2)  # fmt: skip
+    assert resumed and 0 < int(resumed[1]) < int(resumed[2]), out2
+    assert "epoch 2: loss " in out2 and "epoch 1: loss " not in out2, out2
+
+
+def test_a_job_put_back_in_the_queue_resumes(complex_env, tmp_path):
+    """qrerun, as an operator or PBS after a node failure: the job (-r y) is stopped, queued
+    again and started from the top, and the new start resumes from the newest checkpoint."""
+    copy_example(
+        tmp_path, "checkpointing/train_checkpoint.pbs", "checkpointing/train_checkpoint.py"
+    )
+    job = qsub("train_checkpoint.pbs", args=(*CHECKPOINT_ARGS, "--epochs", "40"), cwd=tmp_path,
+               env=complex_env, extra={"CHECKPOINT_ROOT": tmp_path / "scratch"})  # fmt: skip
+    folder = tmp_path / "scratch" / "train-checkpoint" / "checkpoints"
+    deadline = time.monotonic() + 120
+    while not [p for p in folder.glob("*.pt")] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert list(folder.glob("*.pt")), f"no checkpoint in {folder} within 120 s"
+    # Stopped where it is, so that qrerun finds it running however fast this machine trains,
+    # and let go once qrerun has signalled it. The lock file names the training process.
+    holder = re.search(r"process (\d+)", (folder / ".lock").read_text())
+    assert holder, (folder / ".lock").read_text()
+    os.kill(int(holder[1]), signal.SIGSTOP)
+    try:
+        run(["qrerun", job], cwd=tmp_path, env=complex_env)
+    finally:
+        os.kill(int(holder[1]), signal.SIGCONT)
+    record = wait_for(job, complex_env, timeout=300)
+    output = output_of(tmp_path, "train-checkpoint", job)
+    assert record.get("Exit_status") == 0 and int(record["run_count"]) >= 2, (record, output)
+    assert re.search(rf"resumed from {re.escape(str(folder))}/\S+ after [1-9]\d* of \d+ steps",
+                     output), output  # fmt: skip
+    assert "epoch 40: loss " in output, output
+
+
+def pbs_time(text):
+    """A time qstat -F json prints ("Sat Nov 28 20:55:01 2026"), as seconds."""
+    return time.mktime(time.strptime(text, "%a %b %d %H:%M:%S %Y"))
