@@ -50,7 +50,7 @@ JOBS = {
 }
 PBS_SCRIPTS = sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*.pbs"))
 # Scripts with a test of their own below (arrays, chained jobs).
-OWN_TESTS = {"checkpointing/train_checkpoint.pbs"}
+OWN_TESTS = {"checkpointing/train_checkpoint.pbs", "arrays/sweep.pbs", "arrays/collect.pbs"}
 SINGLE_JOBS = [s for s in PBS_SCRIPTS if s not in OWN_TESTS]
 
 
@@ -95,7 +95,9 @@ def expected(line, job_id):
 
 @pytest.fixture
 def complex_env(pbs_complex, job_env):
-    return {**job_env, **pbs_complex[0]}
+    """The job scripts' environment (job_env), with PBS's commands first on PATH."""
+    env = pbs_complex[0]
+    return {**job_env, **env, "PATH": f"{env['PBS_EXEC']}/bin{os.pathsep}{job_env['PATH']}"}
 
 
 def test_every_pbs_job_script_has_a_test():
@@ -218,3 +220,83 @@ def test_a_job_put_back_in_the_queue_resumes(complex_env, tmp_path):
 def pbs_time(text):
     """A time qstat -F json prints ("Sat Nov 28 20:55:01 2026"), as seconds."""
     return time.mktime(time.strptime(text, "%a %b %d %H:%M:%S %Y"))
+
+
+SWEEP_NAMES = ("sweep.pbs", "collect.pbs", "submit_sweep_pbs.sh", "make_sweep.py",
+               "sweep_train.py", "collect_results.py")  # fmt: skip
+
+
+def submit_sweep(env, tmp_path, *options):
+    """submit_sweep_pbs.sh on the sweep.csv in tmp_path, its qsub exporting the submitting
+    shell's environment (-V), as a reader's login environment gives MODULEPATH and VENV, plus
+    these options (e.g. -h): (array id, collect id, the sweep's own folder)."""
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "qsub").write_text(
+        f'#!/bin/bash\nexec {env["PBS_EXEC"]}/bin/qsub -V {" ".join(options)} "$@"\n'
+    )
+    (shim / "qsub").chmod(0o755)
+    env = {**env, "PATH": f"{shim}{os.pathsep}{env['PATH']}", "MAX_RUNNING": "2"}
+    out = run(["bash", "submit_sweep_pbs.sh", "--epochs", "1"], cwd=tmp_path, env=env).stdout
+    ids = re.search(r"^Submitted array job (\S+) \(\d rows\) and collect job (\S+) ", out, re.M)
+    folder = re.search(r"^Sweep and results in (sweeps/[\w-]+); ", out, re.M)
+    assert ids and folder, out
+    return ids[1], ids[2], folder[1]
+
+
+def test_a_sweep_runs_as_an_array_job_then_one_job_collects_it(complex_env, tmp_path):
+    """submit_sweep_pbs.sh: qsub -J 0-3%2, then qsub -W depend=afterany. Submitted held (-h),
+    and released once make_sweep.py has rewritten sweep.csv with other values: every subjob
+    trains its row as submitted, from the sweep's own folder."""
+    copy_example(tmp_path, *(f"arrays/{name}" for name in SWEEP_NAMES))
+    run(["python", "make_sweep.py"], cwd=tmp_path, env=complex_env)
+    array, collect, sweep_dir = submit_sweep(complex_env, tmp_path, "-h")
+    run(["python", "make_sweep.py", "--lr", "0.5", "0.05", "--batch-size", "64", "256"],
+        cwd=tmp_path, env=complex_env)  # fmt: skip
+    run(["qrls", array], cwd=tmp_path, env=complex_env)
+    run(["qrls", collect], cwd=tmp_path, env=complex_env)
+    record = wait_for(collect, complex_env, timeout=240)
+    output = output_of(tmp_path, "collect", collect)
+    assert record.get("Exit_status") == 0, output
+    table = re.findall(r"^ +(\d) +0\.0?1 +(?:32|128) +0 +[\d.]+ +[\d.]+ +[\d.]+$", output, re.M)
+    assert sorted(table) == ["0", "1", "2", "3"], output
+    number = array.split("[")[0]
+    for index in range(4):  # -J 0-3: index N trains row N
+        out = (tmp_path / f"sweep.o{number}.{index}").read_text()
+        assert f"Job {array}, index {index} on " in out, out
+        assert f"task {index}: lr=" in out, out
+    assert (tmp_path / sweep_dir / "summary.csv").is_file()
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_failed_subjob_is_named_although_an_earlier_sweep_left_a_result(complex_env, tmp_path):
+    """afterany starts the collecting job after a failed subjob too. A results/task-1.json from
+    an earlier sweep (another lr) does not stand in for row 1 of the new one, whose subjob fails
+    (its loss diverges): the collecting job names it and fails."""
+    copy_example(tmp_path, *(f"arrays/{name}" for name in SWEEP_NAMES))
+    (tmp_path / "sweep.csv").write_text("lr,batch_size,seed\n0.1,32,0\n0.01,32,0\n")
+    run(["python", "sweep_train.py", "--task", "1", "--epochs", "1", "--output-dir", "results"],
+        cwd=tmp_path, env=complex_env)  # fmt: skip
+    (tmp_path / "sweep.csv").write_text("lr,batch_size,seed\n0.1,32,0\n1e6,32,0\n")
+    array, collect, sweep_dir = submit_sweep(complex_env, tmp_path)
+    record = wait_for(collect, complex_env, timeout=240)
+    output = output_of(tmp_path, "collect", collect)
+    assert record.get("Exit_status") not in (0, None), output
+    assert f"collect_results.py: task 1: no result ({sweep_dir}/task-1.json)" in output, output
+    assert (
+        f"collect_results.py: error: 1 of 2 tasks have no valid result in {sweep_dir}: rerun rows 1"
+    ) in output, output
+    failed = (tmp_path / f"sweep.o{array.split('[')[0]}.1").read_text()
+    assert "the loss is nan; this lr (1000000.0) is too high" in failed, failed
+
+
+def test_a_sweep_of_one_row_is_an_array_of_one(complex_env, tmp_path):
+    """PBS refuses -J 0-0: one row is submitted as -J 0-1:2, one subjob, index 0."""
+    copy_example(tmp_path, *(f"arrays/{name}" for name in SWEEP_NAMES))
+    (tmp_path / "sweep.csv").write_text("lr,batch_size,seed\n0.1,32,0\n")
+    array, collect, sweep_dir = submit_sweep(complex_env, tmp_path)
+    record = wait_for(collect, complex_env, timeout=240)
+    output = output_of(tmp_path, "collect", collect)
+    assert record.get("Exit_status") == 0, output
+    assert re.search(r"^ +0 +0\.1 +32 +0 ", output, re.M), output
+    assert (tmp_path / f"sweep.o{array.split('[')[0]}.0").is_file()
