@@ -113,7 +113,11 @@ def example_env(**extra):
     """Environment for running an example: the tests' Python first on PATH, own warnings fatal."""
     env = dict(os.environ)
     for name in list(env):  # a test run inside a real job must not leak that job's settings
-        if name.startswith(("SLURM_", "SGE_")) or name in ("CUDA_VISIBLE_DEVICES", "NSLOTS"):
+        if name.startswith(("SLURM_", "SGE_", "PBS_")) or name in (
+            "CUDA_VISIBLE_DEVICES",
+            "NSLOTS",
+            "NCPUS",
+        ):
             del env[name]
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     env["PYTHONWARNINGS"] = OWN_WARNINGS_AS_ERRORS

@@ -1,4 +1,4 @@
-"""examples/first-job/: the Slurm and Grid Engine job scripts that run check_pytorch.py.
+"""examples/first-job/: the Slurm, Grid Engine and PBS job scripts that run check_pytorch.py.
 
 Here each job script runs under bash with the variables its scheduler sets and real Lmod
 modules; submitting them to a scheduler is the job of the Slurm tests.
@@ -18,15 +18,31 @@ QSUB = EXAMPLES / "first-job" / "check_pytorch.qsub"
 SCHEDULERS = {
     "check_pytorch.sbatch": {"SLURM_JOB_ID": "4242", "SLURM_CPUS_PER_TASK": "2"},
     "check_pytorch.qsub": {"JOB_ID": "4242", "NSLOTS": "2"},
+    "check_pytorch.pbs": {"PBS_JOBID": "4242", "NCPUS": "2"},
 }
+THREADS = {".sbatch": "SLURM_CPUS_PER_TASK", ".qsub": "NSLOTS", ".pbs": "NCPUS"}
+
+
+def scheduler_env(script, folder, job_env):
+    """What the scheduler sets (PBS also the submission folder, where the script goes)."""
+    return {**job_env, **SCHEDULERS[script], "PBS_O_WORKDIR": str(folder)}
+
+
+def command(script, *args):
+    """bash SCRIPT with options as its scheduler passes them: PBS in ARGS, the others as
+    arguments."""
+    if script.endswith(".pbs"):
+        return ["bash", script], {"ARGS": " ".join(args)}
+    return ["bash", script, *args], {}
 
 
 @pytest.mark.parametrize("script", sorted(SCHEDULERS))
 def test_job_script_runs_the_check_and_passes_options_through(tmp_path, job_env, script):
     copy_example(tmp_path, f"first-job/{script}", "install/check_pytorch.py")
-    env = {**job_env, **SCHEDULERS[script]}
-    out = run(["bash", script, "--size", "48"], cwd=tmp_path, env=env).stdout
-    thread_source = "SLURM_CPUS_PER_TASK" if script.endswith(".sbatch") else "NSLOTS"
+    argv, extra = command(script, "--size", "48")
+    env = {**scheduler_env(script, tmp_path, job_env), **extra}
+    out = run(argv, cwd=tmp_path, env=env).stdout
+    thread_source = THREADS[script[script.rindex(".") :]]
     assert "Job 4242 on " in out
     assert f"CPU threads:     2 (from {thread_source})" in out
     assert "Test product:    48x48 on " in out  # "$@" reached check_pytorch.py
@@ -46,9 +62,8 @@ def test_a_broken_job_script_fails(tmp_path, job_env, script, fault, message):
     text = (tmp_path / script).read_text()
     assert fault[0] in text
     (tmp_path / script).write_text(text.replace(fault[0], fault[1]))
-    proc = run(
-        ["bash", script], cwd=tmp_path, env={**job_env, **SCHEDULERS[script]}, expect_rc=None
-    )
+    proc = run(["bash", script], cwd=tmp_path, env=scheduler_env(script, tmp_path, job_env),
+               expect_rc=None)  # fmt: skip
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr
     assert "Result: PyTorch" not in proc.stdout
 
@@ -85,9 +100,8 @@ def test_grid_engine_directives_are_valid_options():
 @pytest.mark.parametrize("script", sorted(SCHEDULERS))
 def test_job_script_on_the_gpu(tmp_path, job_env, script):
     copy_example(tmp_path, f"first-job/{script}", "install/check_pytorch.py")
-    out = run(
-        ["bash", script, "--device", "cuda"], cwd=tmp_path, env={**job_env, **SCHEDULERS[script]}
-    ).stdout
+    argv, extra = command(script, "--device", "cuda")
+    out = run(argv, cwd=tmp_path, env={**scheduler_env(script, tmp_path, job_env), **extra}).stdout
     assert "works on cuda" in out and "WARNING" not in out
 
 

@@ -39,6 +39,24 @@ def test_check_pytorch_takes_threads_from_the_allocation(tmp_path):
     assert "CPU threads:     1 (from SLURM_CPUS_PER_TASK)" in out
 
 
+def test_check_pytorch_takes_threads_from_a_pbs_chunk(tmp_path):
+    env = example_env(PBS_JOBID="7.pbs-n1", NCPUS=3)
+    out = run([sys.executable, CHECK, "--size", "32"], cwd=tmp_path, env=env).stdout
+    assert "CPU threads:     3 (from NCPUS)" in out
+    # NCPUS outside a PBS job (another tool's variable) is not an allocation.
+    out = run([sys.executable, CHECK, "--size", "32"], cwd=tmp_path,
+              env=example_env(NCPUS=3)).stdout  # fmt: skip
+    assert "(from NCPUS)" not in out
+
+
+def test_check_pytorch_names_a_bad_pbs_count_in_one_line(tmp_path):
+    env = example_env(PBS_JOBID="7.pbs-n1", NCPUS="two")
+    proc = run([sys.executable, CHECK], cwd=tmp_path, env=env, expect_rc=None)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
+    assert "NCPUS='two' is not a whole number above 0" in lines[0], proc.stderr
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="shows the CPU-only outcome")
 def test_check_pytorch_refuses_cuda_without_a_gpu(tmp_path):
     proc = run([sys.executable, CHECK, "--device", "cuda"], cwd=tmp_path, expect_rc=2)
