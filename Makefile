@@ -16,7 +16,7 @@ SPHINXOPTS   ?=
 JOBS         ?= auto
 STRICT       := -W --keep-going -j $(JOBS)
 BUILDDIR     := _build
-# What the tests build (DeepSpeed's compiled ops, Horovod's wheel), cached outside the clone,
+# What the tests build (DeepSpeed's compiled ops, Horovod's wheel, OpenPBS), cached outside the clone,
 # so that later runs and fresh clones on this machine skip the builds; tests/conftest.py keys
 # each part by the versions that built it (TORCH_EXTENSIONS_DIR too). make clean-cache empties it.
 CACHE        ?= $(or $(PYTORCH_ON_HPC_CACHE),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/pytorch-on-hpc)
@@ -43,6 +43,7 @@ SPHINXBUILD = $(VENV)/bin/sphinx-build
 .DEFAULT_GOAL := help
 .PHONY: help venv html html-all gettext update-po test test-quick test-gpu test-slurm linkcheck serve \
         clean clean-venv clean-cache system-packages node-packages slurm-up slurm-down \
+        test-pbs pbs-up pbs-down \
         check-site edition site-check
 
 help:
@@ -55,6 +56,8 @@ help:
 	@echo "make test-gpu   the GPU tests (uses the active python if it has torch)"
 	@echo "make test-slurm only the tests that submit job scripts to the tests' Slurm cluster (root)"
 	@echo "make slurm-up   start that cluster by hand (root); make slurm-down stops it"
+	@echo "make test-pbs   only the tests that submit job scripts to the tests' OpenPBS complex (root)"
+	@echo "make pbs-up     start that complex by hand (root); make pbs-down stops it"
 	@echo "make html-all SITE=site.toml  a centre's edition: its job scripts, its stamps"
 	@echo "make edition SITE=site.toml   only the centre's job scripts, to diff with examples/"
 	@echo "make site-check SITE=site.toml  on a login node: submit every job script, record"
@@ -149,6 +152,18 @@ slurm-up: system-packages
 	bash tests/slurm/cluster.sh up $(SLURM_RUN)
 slurm-down:
 	bash tests/slurm/cluster.sh down $(SLURM_RUN)
+
+# Only the job scripts under the tests' OpenPBS complex (root: the first run on a machine builds
+# OpenPBS into $(CACHE)/, about 5 to 20 minutes, then starts its daemons).
+test-pbs: venv system-packages
+	@echo ">>> Running the PBS tests"
+	$(VPY) -m pytest -m pbs $(PYTEST_ARGS)
+
+# The same two-node complex for a person: qsub, qstat after the `export` line it prints.
+pbs-up: system-packages
+	bash tests/pbs/complex.sh up
+pbs-down:
+	bash tests/pbs/complex.sh down
 
 linkcheck: venv
 	@echo ">>> Checking the internal links of $(BUILDDIR)/html (build it first with make html-all)"

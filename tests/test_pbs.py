@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import EXAMPLES, Job, copy_example, run
+from conftest import EXAMPLES, ROOT, Job, copy_example, run
 
 pytestmark = pytest.mark.pbs
 
@@ -38,6 +38,7 @@ JOBS = {
         args=("--fake-data", "--fake-size", "32", "--epochs", "1", "--batch-size", "16"),
         expect=("Job {job_id} on ", "8 CPUs", "tuned: ", "workers=7"),
     ),
+    # (One node: test_ddp_on_one_node_is_the_same_script_with_one_chunk.)
     "ddp/ddp_torchrun.pbs": Job(
         files=("ddp/ddp.py",),
         args=TRAIN,
@@ -300,3 +301,40 @@ def test_a_sweep_of_one_row_is_an_array_of_one(complex_env, tmp_path):
     assert record.get("Exit_status") == 0, output
     assert re.search(r"^ +0 +0\.1 +32 +0 ", output, re.M), output
     assert (tmp_path / f"sweep.o{array.split('[')[0]}.0").is_file()
+
+
+def test_ddp_on_one_node_is_the_same_script_with_one_chunk(complex_env, tmp_path):
+    """qsub -l select=1:... overrides the script's two chunks: one torchrun, two processes."""
+    copy_example(tmp_path, "ddp/ddp_torchrun.pbs", "ddp/ddp.py")
+    job = qsub("ddp_torchrun.pbs", "-l", "select=1:ncpus=8:ngpus=2:mem=32gb", args=TRAIN,
+               cwd=tmp_path, env=complex_env)  # fmt: skip
+    record = wait_for(job, complex_env, timeout=180)
+    output = output_of(tmp_path, "ddp-torchrun", job)
+    assert record.get("Exit_status") == 0, output
+    assert f"Job {job}: 1 node(s) x 2 processes, rendezvous at pbs-n" in output, output
+    assert "2 processes, cpu (gloo), global batch 128" in output and "epoch 2: loss " in output
+
+
+def test_a_job_without_gpus_is_refused_by_the_ddp_script(complex_env, tmp_path):
+    """No ngpus in the chunk: the script stops in one line saying how to ask for GPUs."""
+    copy_example(tmp_path, "ddp/ddp_torchrun.pbs", "ddp/ddp.py")
+    job = qsub("ddp_torchrun.pbs", "-l", "select=2:ncpus=8:mem=32gb", args=TRAIN, cwd=tmp_path,
+               env=complex_env)  # fmt: skip
+    record = wait_for(job, complex_env)
+    output = output_of(tmp_path, "ddp-torchrun", job)
+    assert record.get("Exit_status") not in (0, None), output
+    assert "request GPUs: -l select=N:ncpus=C:ngpus=G" in output and "epoch" not in output, output
+
+
+def test_the_build_refuses_an_archive_that_is_not_the_pinned_commit(tmp_path):
+    """Upstream unreachable, and the offline copy's sha256 is not the one pinned: one line."""
+    if os.geteuid() != 0:
+        pytest.skip("tests/pbs/build.sh needs root (apt-get); CI runs it")
+    bad = tmp_path / "openpbs.tar.gz"
+    bad.write_bytes(b"not the archive")
+    env = {**os.environ, "PYTORCH_ON_HPC_CACHE": str(tmp_path / "cache"),
+           "OPENPBS_UPSTREAM": str(tmp_path / "no-such-repository"),
+           "OPENPBS_MIRROR": str(bad)}  # fmt: skip
+    proc = run(["bash", ROOT / "tests" / "pbs" / "build.sh"], cwd=tmp_path, env=env, expect_rc=1)
+    assert f"{bad} is not upstream commit cd7ab5edaf03 (sha256 differs)" in proc.stderr, proc.stderr
+    assert not (tmp_path / "cache" / "openpbs-cd7ab5edaf03").exists()
