@@ -1,6 +1,7 @@
 """Shared fixtures: where things are, how an example runs, and which tests can run here."""
 
 import atexit
+import contextlib
 import hashlib
 import html
 import importlib.metadata
@@ -468,61 +469,13 @@ def slurm_cluster():
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def gridengine_cell():
-    """The tests' Grid Engine cell (tests/gridengine/cell.sh): started once, stopped at the end.
-
-    Returns (the environment qsub needs, seconds it took to start).
-    """
-    if os.geteuid() != 0:
-        pytest.skip(
-            "the Grid Engine tests need root to install and start its daemons; CI runs them"
-        )
-    # One cell per machine (its ports and spool are fixed), shared by the pytest workers that
-    # need it (test_gridengine, test_page_blocks): the first starts it, the last one stops it.
-    script = TESTS / "gridengine" / "cell.sh"
-    users = Path(tempfile.gettempdir()) / "pytorch-on-hpc-gridengine.users"
-    lock = filelock.FileLock(f"{users}.lock")
-
-    def live_users():
-        pids = users.read_text().split() if users.exists() else []
-        return [pid for pid in pids if Path("/proc", pid).exists() and pid != str(os.getpid())]
-
-    start = time.perf_counter()
-    with lock:
-        others = live_users()
-        proc = None
-        if not others:  # a cell left by a killed run is stopped first
-            subprocess.run(["bash", script, "down"], capture_output=True, check=False)
-            proc = subprocess.run(
-                ["bash", script, "up"], capture_output=True, text=True, check=False
-            )
-        users.write_text(" ".join([*others, str(os.getpid())]))
-    seconds = time.perf_counter() - start
-    try:
-        if proc is not None and proc.returncode != 0:
-            pytest.fail(f"the Grid Engine cell did not start:\n{proc.stdout}{proc.stderr}")
-        yield {"SGE_ROOT": "/var/lib/gridengine", "SGE_CELL": "default"}, seconds
-    finally:
-        with lock:
-            others = live_users()
-            users.write_text(" ".join(others))
-            if not others:
-                subprocess.run(["bash", script, "down"], capture_output=True, check=False)
-
-
-@pytest.fixture(scope="session")
-def pbs_complex():
-    """The tests' OpenPBS complex (tests/pbs/complex.sh): started once, stopped at the end.
-
-    Returns (the environment the PBS clients need, seconds it took to start). The first start
-    on a machine builds OpenPBS (tests/pbs/build.sh, cached); like the Grid Engine cell, one
-    complex per machine is shared by the pytest workers that need it.
-    """
-    if os.geteuid() != 0:
-        pytest.skip("the PBS tests need root to build OpenPBS and start its daemons; CI runs them")
-    script = TESTS / "pbs" / "complex.sh"
-    users = Path(tempfile.gettempdir()) / "pytorch-on-hpc-pbs.users"
+@contextlib.contextmanager
+def shared_daemons(script, what):
+    """Daemons started by `bash script up` once per machine (their ports and spools are fixed),
+    shared by the pytest workers that need them, this run's and a run beside it: the first
+    starts them, the last one stops them (`bash script down`). A set left by a killed run is
+    stopped first. Yields the seconds it took."""
+    users = Path(tempfile.gettempdir()) / f"pytorch-on-hpc-{script.parent.name}.users"
     lock = filelock.FileLock(f"{users}.lock")
 
     def live_users():
@@ -534,24 +487,53 @@ def pbs_complex():
         others = live_users()
         proc = None
         if not others:
+            subprocess.run(["bash", script, "down"], capture_output=True, check=False)
             proc = subprocess.run(["bash", script, "up"], capture_output=True, text=True,
                                   check=False)  # fmt: skip
         users.write_text(" ".join([*others, str(os.getpid())]))
     seconds = time.perf_counter() - start
     try:
         if proc is not None and proc.returncode != 0:
-            pytest.fail(f"the OpenPBS complex did not start:\n{proc.stdout}{proc.stderr}")
-        conf = Path("/var/spool/pbs-tests.conf")
-        exec_dir = re.search(r"^PBS_EXEC=(.*)$", conf.read_text(), re.M)[1]
-        # PBS's qsub before Grid Engine's, which is on PATH too.
-        path = f"{exec_dir}/bin{os.pathsep}{os.environ['PATH']}"
-        yield {"PBS_CONF_FILE": str(conf), "PBS_EXEC": exec_dir, "PATH": path}, seconds
+            pytest.fail(f"{what} did not start:\n{proc.stdout}{proc.stderr}")
+        yield seconds
     finally:
         with lock:
             others = live_users()
             users.write_text(" ".join(others))
             if not others:
                 subprocess.run(["bash", script, "down"], capture_output=True, check=False)
+
+
+@pytest.fixture(scope="session")
+def gridengine_cell():
+    """The tests' Grid Engine cell (tests/gridengine/cell.sh): started once, stopped at the end
+    (shared_daemons: test_gridengine, test_page_blocks and a run beside this one share it).
+
+    Returns (the environment qsub needs, seconds it took to start).
+    """
+    if os.geteuid() != 0:
+        pytest.skip(
+            "the Grid Engine tests need root to install and start its daemons; CI runs them"
+        )
+    with shared_daemons(TESTS / "gridengine" / "cell.sh", "the Grid Engine cell") as seconds:
+        yield {"SGE_ROOT": "/var/lib/gridengine", "SGE_CELL": "default"}, seconds
+
+
+@pytest.fixture(scope="session")
+def pbs_complex():
+    """The tests' OpenPBS complex (tests/pbs/complex.sh): started once, stopped at the end
+    (shared_daemons). The first start on a machine builds OpenPBS (tests/pbs/build.sh, cached).
+
+    Returns (the environment the PBS commands need, seconds it took to start): PBS's commands
+    first on PATH, before Grid Engine's qsub and qstat, which are installed too.
+    """
+    if os.geteuid() != 0:
+        pytest.skip("the PBS tests need root to build OpenPBS and start its daemons; CI runs them")
+    with shared_daemons(TESTS / "pbs" / "complex.sh", "the OpenPBS complex") as seconds:
+        conf = Path("/var/spool/pbs-tests.conf")
+        exec_dir = re.search(r"^PBS_EXEC=(.*)$", conf.read_text(), re.M)[1]
+        path = f"{exec_dir}/bin{os.pathsep}{os.environ['PATH']}"
+        yield {"PBS_CONF_FILE": str(conf), "PBS_EXEC": exec_dir, "PATH": path}, seconds
 
 
 def site_env(**extra):
