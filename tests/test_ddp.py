@@ -52,6 +52,16 @@ def test_without_a_launcher_it_names_the_missing_variables(tmp_path):
     assert proc.stderr.count("\n") == 1
 
 
+def test_in_a_pbs_job_without_torchrun_it_says_how_pbs_starts_it(tmp_path):
+    env = example_env(PBS_JOBID="12.pbs-n1", NCPUS=4)
+    proc = run([sys.executable, DDP, "--fake-data"], cwd=tmp_path, env=env, expect_rc=2)
+    assert (
+        "RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT not set: start this script "
+        "with torchrun, one per node (see ddp_torchrun.pbs)" in proc.stderr
+    ), proc.stderr
+    assert proc.stderr.count("\n") == 1
+
+
 def test_srun_without_master_variables_names_them(tmp_path):
     env = example_env(SLURM_PROCID=0, SLURM_NTASKS=2, SLURM_LOCALID=0)
     proc = run([sys.executable, DDP, "--fake-data"], cwd=tmp_path, env=env, expect_rc=2)

@@ -134,16 +134,20 @@ def gpu_index(local_rank, visible):
     if local_rank >= visible:
         fail(
             f"local rank {local_rank} but {visible} GPUs visible: request one GPU per process "
-            "(--gpus-per-node equal to the processes per node, or --gpus-per-task=1)"
+            "(--gpus-per-node equal to the processes per node, or --gpus-per-task=1; PBS: ngpus "
+            "per chunk)"
         )
     return local_rank
 
 
 def distributed_env():
-    """(rank, world size, local rank) from torchrun's variables, or else from srun's."""
+    """(rank, world size, local rank) from torchrun's variables, or else from srun's; under
+    PBS, torchrun's (the job script starts one per node)."""
     if "RANK" in os.environ or "SLURM_PROCID" not in os.environ:
         names = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
         how = "start this script with torchrun or srun (see the job scripts)"
+        if "PBS_JOBID" in os.environ:  # a PBS job: torchrun on each node, as the .pbs does
+            how = "start this script with torchrun, one per node (see ddp_torchrun.pbs)"
     else:
         names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
         how = "export them in the job script before srun (see ddp_srun.sbatch)"
