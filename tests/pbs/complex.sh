@@ -28,9 +28,11 @@ SECONDS=0
 source "$here/../daemons.sh"
 
 addresses() {
+    local present
+    present=$(ip -4 -o addr show dev lo)  # not piped into grep -q: SIGPIPE under pipefail
     for node in "${NODES[@]}"; do
         read -r address name <<<"$node"
-        ip -4 -o addr show dev lo | grep -q " $address/" || ip addr add "$address/32" dev lo \
+        [[ $present == *" $address/"* ]] || ip addr add "$address/32" dev lo \
             || die "cannot add $address to the loopback interface (needs CAP_NET_ADMIN)"
         grep -q "^$address $name " /etc/hosts || echo "$address $name $MARK" >> /etc/hosts
     done
