@@ -2,7 +2,8 @@
 
 Every test run (`make test`, `make test-gpu`, or any pytest run of tests/) writes
 tests/records/<suite>.json, where the suite of a test comes from its markers: `gpu`, `slurm`
-(the tests' Slurm cluster), `gridengine` (the tests' Grid Engine cell), else `cpu`. A test ran an
+(the tests' Slurm cluster), `gridengine` (the tests' Grid Engine cell), `pbs` (the tests' OpenPBS
+complex), else `cpu`. A test ran an
 example when, during its setup or call, the test process
 
 - started a process whose command line names the example's path,
@@ -41,7 +42,7 @@ EXAMPLES = ROOT / "examples"
 # PYTORCH_ON_HPC_RECORDS_DIR: another folder (the tests of this file use one); "0" in
 # PYTORCH_ON_HPC_RECORDS: write none.
 RECORDS = Path(os.environ.get("PYTORCH_ON_HPC_RECORDS_DIR", ROOT / "tests" / "records"))
-SUITES = ("cpu", "slurm", "gridengine", "gpu")
+SUITES = ("cpu", "slurm", "gridengine", "pbs", "gpu")
 _PATHS = re.compile(re.escape(str(EXAMPLES)) + r"/[\w./+-]+")
 
 _touched = None  # the example files of the test that runs now; None between tests
@@ -106,7 +107,7 @@ def credit(names):
 
 
 def suite_of(item):
-    for suite in ("gpu", "slurm", "gridengine"):
+    for suite in ("gpu", "slurm", "gridengine", "pbs"):
         if item.get_closest_marker(suite):
             return suite
     return "cpu"
@@ -172,6 +173,13 @@ def sha256(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def pbs_command(name):
+    """The tests' OpenPBS command (tests/pbs/complex.sh), not Grid Engine's of the same name."""
+    conf = Path("/var/spool/pbs-tests.conf")
+    found = re.search(r"^PBS_EXEC=(.*)$", conf.read_text(), re.M) if conf.exists() else None
+    return f"{found[1]}/bin/{name}" if found else name
+
+
 def environment(suite):
     """What the run ran on: versions, and the GPU and scheduler where the suite has them."""
     env = {
@@ -180,7 +188,8 @@ def environment(suite):
         "cuda": torch.version.cuda,
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
-    command = {"slurm": ["sinfo", "--version"], "gridengine": ["qstat", "-help"]}.get(suite)
+    command = {"slurm": ["sinfo", "--version"], "gridengine": ["qstat", "-help"],
+               "pbs": [pbs_command("qstat"), "--version"]}.get(suite)  # fmt: skip
     if command and shutil.which(command[0]):
         out = subprocess.run(command, capture_output=True, text=True, check=False).stdout
         env["scheduler"] = out.splitlines()[0].strip() if out else None

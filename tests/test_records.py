@@ -28,7 +28,7 @@ SCRIPT = verification.SCRIPT
 def committed():
     """{suite: examples} of the committed records (as git has them, not a run's new ones)."""
     records = {}
-    for suite in ("cpu", "slurm", "gridengine", "gpu"):
+    for suite in ("cpu", "slurm", "gridengine", "pbs", "gpu"):
         proc = subprocess.run(
             ["git", "show", f"HEAD:tests/records/{suite}.json"],
             cwd=ROOT, capture_output=True, text=True, check=False,
@@ -81,7 +81,7 @@ def test_every_script_has_a_record(records):
 
 
 def test_job_scripts_have_scheduler_records(records):
-    for suffix, suite in ((".sbatch", "slurm"), (".qsub", "gridengine")):
+    for suffix, suite in ((".sbatch", "slurm"), (".qsub", "gridengine"), (".pbs", "pbs")):
         scripts = {str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob(f"*{suffix}")}
         assert scripts <= set(records.get(suite, {})), f"run the {suite} tests and commit"
 

@@ -1,7 +1,7 @@
 """What verified each page, from the tests' records, and a download link for every script shown.
 
 The test runs write tests/records/<suite>.json (tests/records.py): for each file in examples/,
-the tests that ran it in each suite (cpu, slurm, gridengine, gpu), their outcomes and
+the tests that ran it in each suite (cpu, slurm, gridengine, pbs, gpu), their outcomes and
 durations, the date, the versions, and the sha256 of the file they ran. This extension reads
 them at build time, so that nothing a page says about verification is typed by hand:
 
@@ -36,7 +36,7 @@ import site_edition  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 RECORDS = ROOT / "tests" / "records"
-SUITES = ("cpu", "slurm", "gridengine", "gpu")
+SUITES = ("cpu", "slurm", "gridengine", "pbs", "gpu")
 TESTING_PAGE = "/about/testing"
 # Files that are scripts (the tests run them); data and configuration files are shown too,
 # but their stamp is that of the scripts that read them.
@@ -106,6 +106,7 @@ def stamp_text(records, examples):
         "cpu": _("CPU"),
         "slurm": _("Slurm test cluster"),
         "gridengine": _("Grid Engine test cell"),
+        "pbs": _("PBS test complex"),
         "gpu": _("GPU"),
     }
     for suite in SUITES:
