@@ -104,7 +104,17 @@ BLOCKS = {
         ("console", "slurm"),
     ("getting-started/first-job.md", "[user@login ~]$ qsub check_pytorch.qsub"):
         ("console", "gridengine"),
+    ("getting-started/first-job.md", "[user@login ~]$ qsub check_pytorch.pbs"):
+        ("not run", "a PBS server: test_pbs.py submits check_pytorch.pbs to the tests' OpenPBS "
+         "complex and reads its output file and qstat -x -f"),
+    ("getting-started/first-job.md", "[user@login ~]$ qsub -I -l select=1:ncpus=4:ngpus=1 "
+     "-l walltime=00:30:00"): ("not run", "check_pytorch.py --device cuda needs a GPU, and "
+     "qsub -I an interactive shell; test_pbs.py submits check_pytorch.pbs, the same module and "
+     "venv"),
     ("getting-started/first-job.md", "import os"): ("python", "test_pages.py"),
+    ("getting-started/pbs.md", "[user@login ~]$ qsub -P <group> -q rt_HG -l select=1 -l "
+     "walltime=1:00:00 check_pytorch.pbs"): ("not run", "ABCI 3.0's own queues and a reader's "
+     "group: test_pbs.py submits check_pytorch.pbs to the tests' OpenPBS complex"),
     ("getting-started/first-job.md", "[user@login ~]$ salloc --time=00:30:00 --cpus-per-task=4 "
      "--mem=8G --gpus-per-node=1"): ("not run", "check_pytorch.py --device cuda needs a GPU that "
      "PyTorch can use: the tests' cluster has fake ones; test_slurm.py submits "
