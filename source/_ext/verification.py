@@ -373,12 +373,12 @@ class VerificationTable(SphinxDirective):
             str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*")
             if p.is_file() and "__pycache__" not in p.parts
         )  # fmt: skip
-        headings = [_("Example"), _("CPU"), _("Slurm"), _("Grid Engine"), _("GPU"),
+        headings = [_("Example"), _("CPU"), _("Slurm"), _("Grid Engine"), _("PBS"), _("GPU"),
                     _("Time (s)"), _("Date")]  # fmt: skip
         table = nodes.table(classes=["verification-table"])
         group = nodes.tgroup(cols=len(headings))
         table += group
-        for width in (30, 10, 10, 10, 10, 10, 14):
+        for width in (30, 9, 9, 9, 9, 9, 10, 14):
             group += nodes.colspec(colwidth=width)
         group += nodes.thead("", row(headings))
         body = nodes.tbody()
