@@ -536,6 +536,19 @@ def pbs_complex():
         yield {"PBS_CONF_FILE": str(conf), "PBS_EXEC": exec_dir, "PATH": path}, seconds
 
 
+def assert_row_1_named(collect_output, task_output, sweep_dir):
+    """A sweep whose row 1 diverged, after an earlier sweep left a result for row 1 elsewhere
+    (the scheduler tests): the row's task says why it failed, and the collecting job names the
+    row and fails."""
+    assert f"collect_results.py: task 1: no result ({sweep_dir}/task-1.json)" in collect_output, (
+        collect_output
+    )
+    assert (
+        f"collect_results.py: error: 1 of 2 tasks have no valid result in {sweep_dir}: rerun rows 1"
+    ) in collect_output, collect_output
+    assert "the loss is nan; this lr (1000000.0) is too high" in task_output, task_output
+
+
 def site_env(**extra):
     """example_env() plus Lmod with the tests' modulefiles, and no venv active."""
     if not LMOD_INIT.exists() or not SITE_MODULES.exists():
