@@ -530,10 +530,9 @@ def pbs_complex():
     if os.geteuid() != 0:
         pytest.skip("the PBS tests need root to build OpenPBS and start its daemons; CI runs them")
     with shared_daemons(TESTS / "pbs" / "complex.sh", "the OpenPBS complex") as seconds:
-        conf = Path("/var/spool/pbs-tests.conf")
-        exec_dir = re.search(r"^PBS_EXEC=(.*)$", conf.read_text(), re.M)[1]
+        exec_dir = records.pbs_exec()
         path = f"{exec_dir}/bin{os.pathsep}{os.environ['PATH']}"
-        yield {"PBS_CONF_FILE": str(conf), "PBS_EXEC": exec_dir, "PATH": path}, seconds
+        yield {"PBS_CONF_FILE": str(records.PBS_CONF), "PBS_EXEC": exec_dir, "PATH": path}, seconds
 
 
 def assert_row_1_named(collect_output, task_output, sweep_dir):

@@ -173,11 +173,18 @@ def sha256(path):
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+PBS_CONF = Path("/var/spool/pbs-tests.conf")  # the tests' OpenPBS complex (tests/pbs/complex.sh)
+
+
+def pbs_exec():
+    """The complex's PBS_EXEC (where OpenPBS is installed), or None when it was never started."""
+    found = re.search(r"^PBS_EXEC=(.*)$", PBS_CONF.read_text(), re.M) if PBS_CONF.exists() else None
+    return found[1] if found else None
+
+
 def pbs_command(name):
-    """The tests' OpenPBS command (tests/pbs/complex.sh), not Grid Engine's of the same name."""
-    conf = Path("/var/spool/pbs-tests.conf")
-    found = re.search(r"^PBS_EXEC=(.*)$", conf.read_text(), re.M) if conf.exists() else None
-    return f"{found[1]}/bin/{name}" if found else name
+    """The tests' OpenPBS command, not Grid Engine's of the same name."""
+    return f"{pbs_exec()}/bin/{name}" if pbs_exec() else name
 
 
 def environment(suite):
