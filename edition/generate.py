@@ -15,7 +15,13 @@ What changes, and nothing else:
 - outside the blocks, the GPU request (``#SBATCH --gpus-per-node=N``) in the centre's form, and
   where the site file sets cores_per_gpu or memory_per_gpu, the cores and memory of GPU jobs.
 
-Job scripts of the other scheduler are copied unchanged. Standard library only.
+PBS job scripts (.pbs) keep every site-specific directive in their first block: the project
+(``##PBS -P``), the queue (``#PBS -q``) and the chunk (``#PBS -l select=N:ncpus=C:ngpus=G``),
+each with its comment on the line above (PBS refuses a comment after a directive). The chunk
+keeps its count, cores and memory and asks for its GPUs in the centre's form, or, where the
+queues set the chunks' resources (scheduler.queue_resources), names only its count.
+
+Job scripts of the other schedulers are copied unchanged. Standard library only.
 """
 
 import re
@@ -39,12 +45,12 @@ class GenerateError(Exception):
 
 
 def scheduler_of(path):
-    return {".sbatch": "slurm", ".qsub": "gridengine"}.get(Path(path).suffix)
+    return {".sbatch": "slurm", ".qsub": "gridengine", ".pbs": "pbs"}.get(Path(path).suffix)
 
 
 def split_comment(line):
     """(code, comment, column of the comment) of a line; comment is '' when there is none."""
-    match = re.match(r"^(\S.*?)(\s+)(#(?!SBATCH|\$).*)$", line)
+    match = re.match(r"^(\S.*?)(\s+)(#(?!#?SBATCH|#?PBS|\$).*)$", line)
     if not match or line.startswith("# "):
         return line.rstrip(), "", None
     return match[1], match[3], len(match[1]) + len(match[2])
@@ -71,6 +77,11 @@ class Context:
             r"^#SBATCH --ntasks=(\d+)", text, re.M
         )
         self.tasks = int(tasks[1]) if tasks else int(single[1]) if single else 1
+        # PBS: the chunks of -l select=N:...:ngpus=G, and G, the GPUs of each.
+        chunk = re.search(r"^#PBS -l select=(\d+)((?::\w+=[\w.]+)*)$", text, re.M)
+        self.chunks = int(chunk[1]) if chunk else 1
+        if chunk and (pbs_gpus := re.search(r":ngpus=(\d+)", chunk[2])):
+            self.gpus = int(pbs_gpus[1])
         self.gpu_job = bool(self.gpus or re.search(r"^#\$ -l gpu=\d+", text, re.M))
 
     @property
@@ -81,6 +92,9 @@ class Context:
     @property
     def partition(self):
         key = "gpu_partition" if self.gpu_job else "cpu_partition"
+        if self.site.scheduler == "pbs" and self.gpu_job and self.site.get("scheduler.node_queue"):
+            if self.site.pbs_queue(self.gpus, self.chunks) == self.site.get("scheduler.node_queue"):
+                key = "node_queue"
         return self.site.get(f"scheduler.{key}"), f"scheduler.{key}"
 
 
@@ -120,6 +134,66 @@ def _gpus(ctx, m, comment, col):
     return [
         with_comment(f"#SBATCH {ctx.site.gpu_request(m['n'])}", "# site.toml: scheduler.gpus", col)
     ]
+
+
+def _pbs_project(ctx, m, comment, col):
+    """The project (-P), then the site's own directives for every job and for this kind of
+    job. PBS reads no comment after a directive: each line's comment is on the line above."""
+    lines = [REPLACES_COMMENT]
+    if value := ctx.site.get("scheduler.account"):
+        lines += ["# The project charged (site.toml: scheduler.account):", f"#PBS -P {value}"]
+    for key, directive in ctx.site.directives(ctx.gpu_job):
+        lines += [f"# site.toml: scheduler.{key}", f"#PBS {directive}"]
+    return lines if len(lines) > 1 else []
+
+
+def _pbs_queue(ctx, m, comment, col):
+    queue, key = ctx.partition
+    if not queue:
+        return []
+    what = {"scheduler.cpu_partition": "CPU jobs", "scheduler.gpu_partition": "GPU jobs",
+            "scheduler.node_queue": "whole nodes"}[key]  # fmt: skip
+    return [REPLACES_COMMENT, f"# The queue of {what} (site.toml: {key}):", f"#PBS -q {queue}"]
+
+
+def pbs_chunk(site, count, resources):
+    """A PBS chunk request, select=count plus resources (":ncpus=8:ngpus=2:mem=32gb"), as the
+    site asks: the GPUs in its form, the cores and memory per GPU where it sets them; only the
+    count where its queues set the rest. Returns (the request, the keys that changed it)."""
+    if site.get("scheduler.queue_resources"):
+        return f"select={count}", ["scheduler.queue_resources"]
+    found = re.search(r":ngpus=(\d+)", resources)
+    gpus = int(found[1]) if found else 0
+    cores = site.get("scheduler.cores_per_gpu")
+    memory = site.get("scheduler.memory_per_gpu")
+    parts, keys = [str(count)], []
+    for resource in filter(None, resources.split(":")):
+        name, value = resource.split("=", 1)
+        if name == "ngpus":
+            resource, key = site.gpu_request(value), "gpus"
+        elif name == "ncpus" and gpus and cores:
+            resource, key = f"ncpus={cores * gpus}", "cores_per_gpu"
+        elif name == "mem" and gpus and memory:  # 64G per GPU: 128gb for two
+            resource, key = f"mem={int(memory[:-1]) * gpus}{memory[-1].lower()}b", "memory_per_gpu"
+        else:
+            key = None
+        parts.append(resource)
+        keys += [f"scheduler.{key}"] if key and resource != f"{name}={value}" else []
+    return f"select={':'.join(parts)}", keys
+
+
+def _pbs_chunk(ctx, m, comment, col):
+    """The chunk as the site asks (pbs_chunk). The comment above says what the job needs; a
+    line under it names the keys that changed the chunk. Where the queues set the cores, GPUs
+    and memory, a comment of its own says so."""
+    request, keys = pbs_chunk(ctx.site, m["n"], m["resources"])
+    if not keys:
+        return None
+    if keys == ["scheduler.queue_resources"]:
+        chunks = "One chunk" if m["n"] == "1" else f"{m['n']} chunks"
+        return [REPLACES_COMMENT, f"# {chunks}, whose cores, GPUs and memory the queue sets "
+                "(site.toml: scheduler.queue_resources):", f"#PBS -l {request}"]  # fmt: skip
+    return [f"# site.toml: {', '.join(keys)}", f"#PBS -l {request}"]
 
 
 def _optional_directive(key, make):
@@ -206,6 +280,10 @@ RULES = [
     # Grid Engine directives
     (r"#\$ -pe \S+ (?P<n>\d+)", _pe),
     (r"#\$ -l gpu=(?P<n>\d+)", _gpus),
+    # PBS directives: each comment is on the line above
+    (r"##PBS -P \S+", _pbs_project),
+    (r"#PBS -q \S+", _pbs_queue),
+    (r"#PBS -l select=(?P<n>\d+)(?P<resources>(?::\w+=[\w.]+)*)", _pbs_chunk),
     # modules
     (r"source /etc/profile\.d/modules\.sh", _init),
     (r"module load python/\S+", _modules("modules.python")),
@@ -281,7 +359,7 @@ RULES = [(re.compile(pattern), rule) for pattern, rule in RULES]
 def fill_block(ctx, name, lineno, lines):
     out = []
     for offset, line in enumerate(lines):
-        if line.startswith("#") and not re.match(r"^#(#?SBATCH|\$)", line):
+        if line.startswith("#") and not re.match(r"^#(#?SBATCH|#?PBS|\$)", line):
             out.append(line)  # a comment, kept
             continue
         code, comment, column = split_comment(line)
@@ -390,7 +468,7 @@ def generate_text(site, name, text):
         i += 1
     out.extend(header_lines(ctx, outside))
     result = "\n".join(out)
-    left = re.search(r"^##SBATCH.*$", result, re.M)
+    left = re.search(r"^##(SBATCH|PBS).*$", result, re.M)
     if left:
         raise GenerateError(f"{name}: a directive is still commented out: {left[0]}")
     return result
@@ -425,7 +503,7 @@ def generate(site, output):
         # Bytes and mode, not shutil.copy: the tests count a copied example as one they ran.
         dest.write_bytes(path.read_bytes())
         dest.chmod(path.stat().st_mode)
-        if path.suffix in (".sbatch", ".qsub", ".sh"):
+        if path.suffix in (".sbatch", ".qsub", ".pbs", ".sh"):
             text = path.read_text(encoding="utf-8")
             new = generate_text(site, name, text)
             if new != text:

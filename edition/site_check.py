@@ -8,11 +8,12 @@ Run by a centre's staff on a login node, from the repository, with the venv acti
 It generates the centre's job scripts (edition/generate.py), prints what it will submit, and
 (without --dry-run) submits each job script of the centre's scheduler with the shortest
 settings of edition/checks.toml, at most --max-jobs at a time, each in a folder of its own
-under --work-dir. It waits for them, prints a report (a failed job with the last lines of its
-log, a refused submission with the scheduler's message), and writes the record that the
-centre's edition shows as "Verified at <centre> on <date>" (default: beside the site file,
-<name>.record.json), in the format of tests/records/<suite>.json. Ctrl-C cancels its jobs.
-Standard library only.
+under --work-dir (with sbatch, or qsub: Grid Engine's, or PBS's, which passes the options for a
+script in the variable ARGS). It waits for them (scontrol; qstat and qacct; PBS's qstat -x),
+prints a report (a failed job with the last lines of its log, a refused submission with the
+scheduler's message), and writes the record that the centre's edition shows as "Verified at
+<centre> on <date>" (default: beside the site file, <name>.record.json), in the format of
+tests/records/<suite>.json. Ctrl-C cancels its jobs. Standard library only.
 """
 
 import argparse
@@ -35,13 +36,14 @@ from generate import EXAMPLES, GenerateError, generate, omitted  # noqa: E402
 from sitefile import SiteFileError, load  # noqa: E402
 
 CHECKS = Path(__file__).resolve().parent / "checks.toml"
-SUFFIX = {"slurm": ".sbatch", "gridengine": ".qsub"}
+SUFFIX = {"slurm": ".sbatch", "gridengine": ".qsub", "pbs": ".pbs"}
 CHECK_KEYS = {"files", "prepare", "args", "gpu_args", "options", "env", "after", "expect",
               "server", "root_args"}  # fmt: skip
 SLURM_DONE = {"COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "OUT_OF_MEMORY", "NODE_FAIL",
               "PREEMPTED", "BOOT_FAIL", "DEADLINE"}  # fmt: skip
 # Variables a reader's login environment may set and the job scripts read: qsub passes them
-# on with -v (sbatch passes the whole environment).
+# on with -v (sbatch passes the whole environment). PBS passes a script no arguments: they
+# travel in ARGS, which the PBS job scripts split on spaces.
 PASSED_ON = ("VENV", "CONDA_ENV", "MODULEPATH", "SHARDS")
 LOG_LINES = 15
 # The line each process of the examples prints once it runs on a GPU: the GPU's UUID (or, from
@@ -109,8 +111,8 @@ def gpus_used(log):
     return len({(gpu, node) for gpu, _, node in found}), models[0] if models else None
 
 
-def command_for(site, job):
-    """The submission command, run in the job's folder."""
+def command_for(site, job, after=None):
+    """The submission command, run in the job's folder; after: the id of the job it waits for."""
     script = Path(job.name).name
     args = list(job.settings.get("args", []))
     if asks_for_the_gpu(site, job):
@@ -118,17 +120,31 @@ def command_for(site, job):
     if os.geteuid() == 0:
         args += job.settings.get("root_args", [])
     options = list(job.settings.get("options", []))
+    waits = dependency(site, after) if after else []
     if site.scheduler == "slurm":
-        return ["sbatch", "--parsable", *options, script, *args]
-    passed = [f"{name}={os.environ[name]}" for name in PASSED_ON if name in os.environ]
-    passed += [f"{k}={v}" for k, v in job.settings.get("env", {}).items()]
-    variables = ["-v", ",".join(passed)] if passed else []
-    return ["qsub", "-terse", *variables, *options, script, *args]
+        return ["sbatch", "--parsable", *waits, *options, script, *args]
+    passed = [(name, os.environ[name]) for name in PASSED_ON if name in os.environ]
+    passed += list(job.settings.get("env", {}).items())
+    if site.scheduler == "pbs" and args:
+        passed.append(("ARGS", " ".join(args)))
+    # qsub -v splits on commas: a value with one is quoted (PBS reads the quotes, not a shell).
+    variables = ",".join(f"{name}={pbs_quoted(value) if site.scheduler == 'pbs' else value}"
+                         for name, value in passed)  # fmt: skip
+    variables = ["-v", variables] if passed else []
+    if site.scheduler == "pbs":
+        return ["qsub", *waits, *variables, *options, script]
+    return ["qsub", "-terse", *waits, *variables, *options, script, *args]
+
+
+def pbs_quoted(value):
+    return f"'{value}'" if "," in value and "'" not in value else value
 
 
 def dependency(site, job_id):
     if site.scheduler == "slurm":
         return ["--dependency=afterok:" + job_id, "--kill-on-invalid-dep=yes"]
+    if site.scheduler == "pbs":  # however the array's subjobs ended, as submit_sweep_pbs.sh
+        return ["-W", f"depend=afterany:{job_id}"]
     return ["-hold_jid", job_id]
 
 
@@ -154,17 +170,17 @@ def run_prepare(job):
 
 def submit(site, job, jobs):
     env = {**os.environ, **job.settings.get("env", {})}
-    command = command_for(site, job)
     after = job.settings.get("after")
-    if after:
-        command[2:2] = dependency(site, jobs[after].job_id)
+    command = command_for(site, job, jobs[after].job_id if after else None)
     proc = subprocess.run(command, cwd=job.folder, capture_output=True, text=True, env=env,
                           check=False)  # fmt: skip
     if proc.returncode != 0:
         lines = proc.stderr.strip().splitlines() or proc.stdout.strip().splitlines()
         job.outcome, job.message = "refused", lines[-1] if lines else f"exit {proc.returncode}"
         return
-    job.job_id = proc.stdout.strip().split(";")[0].split(".")[0]
+    job.job_id = proc.stdout.strip().split(";")[0]
+    if site.scheduler != "pbs":  # PBS's ids keep their server: 12.server, 13[].server
+        job.job_id = job.job_id.split(".")[0]
     job.start = time.monotonic()
 
 
@@ -193,9 +209,31 @@ def gridengine_state(job):
     return True, records
 
 
+def pbs_state(job):
+    """(finished, [records]) from qstat -x (job history): an array job's are its subjobs'.
+    A job qstat no longer knows (history off, or expired) has finished, without a record."""
+    proc = subprocess.run(["qstat", "-x", "-f", "-F", "json", "-t", job.job_id],
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    if proc.returncode != 0:
+        return True, []
+    try:
+        found = json.loads(proc.stdout, strict=False).get("Jobs", {})
+    except json.JSONDecodeError:
+        return False, []  # read again next time
+    main = found.get(job.job_id, {})
+    if main.get("job_state") != "F":
+        return False, []
+    subjobs = [record for name, record in found.items() if name != job.job_id]
+    return True, subjobs or [main]
+
+
 def read_logs(site, job, records):
     if site.scheduler == "slurm":
         paths = {r["StdOut"] for r in records if r.get("StdOut")}
+    elif site.scheduler == "pbs":  # <name>.o<number>, a subjob's <name>.o<number>.<index>
+        number = job.job_id.split(".")[0].split("[")[0]
+        paths = {str(p) for pattern in (f"*.o{number}", f"*.o{number}.*")
+                 for p in job.folder.glob(pattern)}  # fmt: skip
     else:
         paths = {str(p) for p in job.folder.glob(f"*.o{job.job_id}*")}
     texts = []
@@ -228,6 +266,14 @@ def gridengine_gpus(site, record):
     return int(found[1]) if found else 0
 
 
+def pbs_gpus(site, record):
+    """The GPUs a PBS job was given: the site's GPU resource (ngpus) over the vnodes of its
+    chunks, as qstat shows them (exec_vnode: (n1:ncpus=8:ngpus=2)+(n2:ncpus=8:ngpus=2))."""
+    resource = re.fullmatch(r"(\w+)=\{n\}", site.get("scheduler.gpus"))[1]
+    counts = re.findall(rf"(?<![\w.]){re.escape(resource)}=(\d+)", record.get("exec_vnode", ""))
+    return sum(int(count) for count in counts)
+
+
 def judge(site, job, records):
     job.seconds = time.monotonic() - job.start
     job.log = read_logs(site, job, records)
@@ -240,6 +286,14 @@ def judge(site, job, records):
         nodes = sorted({r.get("NodeList", "") for r in records} - {"", "(null)"})
         given = max((slurm_gpus(r) for r in records), default=0)
         job.info = {"state": ", ".join(states) or "gone", "nodes": ",".join(nodes)}
+    elif site.scheduler == "pbs":
+        ok = records and all(r.get("Exit_status") == 0 for r in records)
+        states = sorted({f"Exit_status {r.get('Exit_status')}" for r in records})
+        hosts = "+".join(r.get("exec_host", "") for r in records)
+        nodes = sorted({host.split("/")[0] for host in hosts.split("+")} - {""})
+        given = max((pbs_gpus(site, r) for r in records), default=0)
+        job.info = {"state": "; ".join(states) or "gone (no record: is job history on?)",
+                    "nodes": ",".join(nodes)}  # fmt: skip
     else:
         ok = records and all((r.get("failed"), r.get("exit_status")) == ("0", "0") for r in records)
         states = sorted({f"exit_status {r.get('exit_status')}, failed {r.get('failed')}"
@@ -285,7 +339,8 @@ def versions(jobs):
 
 
 def scheduler_version(site):
-    command = ["sinfo", "--version"] if site.scheduler == "slurm" else ["qstat", "-help"]
+    command = {"slurm": ["sinfo", "--version"], "gridengine": ["qstat", "-help"],
+               "pbs": ["qstat", "--version"]}[site.scheduler]  # fmt: skip
     try:
         out = subprocess.run(command, capture_output=True, text=True, check=False).stdout
     except OSError:
@@ -403,9 +458,8 @@ def main(argv=None):
         f"{site.name}: {len(jobs)} job scripts, at most {args.max_jobs} at a time, in {work}/jobs/"
     )
     for name, job in jobs.items():
-        command = command_for(site, job)
-        if job.settings.get("after"):
-            command[2:2] = dependency(site, "<id of " + job.settings["after"] + ">")
+        after = job.settings.get("after")
+        command = command_for(site, job, f"<id of {after}>" if after else None)
         folder = jobs[job.settings["after"]].folder if job.settings.get("after") else job.folder
         prepare = "".join(f"{c}; " for c in job.settings.get("prepare", []))
         print(f"  {name}: cd {folder.relative_to(work)} && {prepare}{shlex.join(command)}")
@@ -452,8 +506,8 @@ def main(argv=None):
             else:
                 print(f"refused   {job.name}: {job.message}", flush=True)
         for job in list(running):
-            state = slurm_state if site.scheduler == "slurm" else gridengine_state
-            finished, records = state(job)
+            state = {"slurm": slurm_state, "gridengine": gridengine_state, "pbs": pbs_state}
+            finished, records = state[site.scheduler](job)
             if job.settings.get("server") and not finished:
                 log = read_logs(site, job, records)
                 if all(line in log for line in job.settings.get("expect", [])):

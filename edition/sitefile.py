@@ -29,6 +29,10 @@ GPU_FORMS = {
     "gridengine": [
         (re.compile(r"-l [\w.]+=\{n\}"), "-l gpu={n}"),
     ],
+    # PBS: a resource of each chunk (-l select=N:ncpus=C:ngpus=G), without the colon.
+    "pbs": [
+        (re.compile(r"[A-Za-z_]\w*=\{n\}"), "ngpus={n}"),
+    ],
 }
 NAME = re.compile(r"[\w.@/+-]+")  # partitions, accounts, modules, variables, environments
 CENTRE_NAME = re.compile(r"[\w.,&'()/+:-]+(?: [\w.,&'()/+:-]+)*")
@@ -43,6 +47,8 @@ DIRECTIVES = {
               "long options such as --constraint=gpu or --qos=normal"),
     "gridengine": (re.compile(r"-[A-Za-z]+(?: [\w.,:=@%/+-]+)?"),
                    "options such as -l rt_F=1 or -g mygroup"),
+    "pbs": (re.compile(r"-[A-Za-z](?: [\w.,:=@%/+-]+)?"),
+            "options such as -l place=excl or -W group_list=mygroup"),
 }  # fmt: skip
 
 
@@ -84,12 +90,16 @@ SCHEMA = {
     },
     "scheduler": {
         "kind": Key(
-            str, True, "slurm or gridengine", re.compile(r"slurm|gridengine"), "slurm or gridengine"
+            str,
+            True,
+            "slurm, gridengine or pbs (PBS Professional, OpenPBS)",
+            re.compile(r"slurm|gridengine|pbs"),
+            "slurm, gridengine or pbs",
         ),
         "cpu_partition": Key(
             str,
             True,
-            'partition (Slurm) or queue (Grid Engine) of CPU jobs; "" for the default',
+            'partition (Slurm) or queue (Grid Engine, PBS) of CPU jobs; "" for the default',
             re.compile(r"[\w.@,-]*"),
             "a partition name",
         ),
@@ -103,7 +113,7 @@ SCHEMA = {
         "account": Key(
             str,
             False,
-            "the account (Slurm) or project (Grid Engine) charged",
+            "the account (Slurm) or project (Grid Engine, PBS: -P) charged",
             re.compile(r"[\w.@-]*"),
             "an account name",
         ),
@@ -161,6 +171,20 @@ SCHEMA = {
             "resources name the cores",
             NAME,
             "a name",
+        ),
+        "queue_resources": Key(
+            bool,
+            False,
+            "PBS: the queues set each chunk's cores, GPUs and memory (ABCI 3.0): jobs ask only "
+            "for a number of chunks, -l select=N",
+        ),
+        "node_queue": Key(
+            str,
+            False,
+            "PBS: the queue of whole nodes, where GPU jobs of more than one GPU or more than one "
+            "chunk go (ABCI 3.0: rt_HF)",
+            re.compile(r"[\w.@-]+"),
+            "a queue name",
         ),
     },
     "modules": {
@@ -290,11 +314,23 @@ class Site:
 
     def gpu_request(self, count):
         """How a job asks for count GPUs per node: at a Grid Engine site with a whole-node
-        resource, a job that asks for every GPU of a node asks for the node."""
+        resource, a job that asks for every GPU of a node asks for the node; at a PBS site
+        whose queues set the chunks' resources, a job asks for its queue."""
+        if self.scheduler == "pbs" and self.get("scheduler.queue_resources"):
+            return f"-q {self.pbs_queue(count, 1)}"
         whole = self.get("scheduler.node_resource")
         if whole and str(count) == str(self.get("scheduler.gpus_per_node")):
             return whole.replace("{nodes}", "1")
         return self.get("scheduler.gpus").replace("{n}", str(count))
+
+    def pbs_queue(self, gpus, chunks):
+        """The queue of a PBS job with gpus GPUs per chunk (0: a CPU job) and chunks chunks:
+        the whole-node queue (node_queue) for more than one GPU or chunk, where there is one."""
+        if not gpus or str(gpus) == "0":
+            return self.get("scheduler.cpu_partition")
+        if self.get("scheduler.node_queue") and (str(gpus) != "1" or str(chunks) != "1"):
+            return self.get("scheduler.node_queue")
+        return self.get("scheduler.gpu_partition")
 
     def directives(self, gpu_job):
         """(key, directive) of the site's directives for every job and for a job of this kind."""
@@ -372,8 +408,21 @@ def check_value(where, value, spec):
                 raise SiteFileError(f"{where} must be {spec.form_help} (got {item!r})")
 
 
-SLURM_ONLY = ("qos", "per_gpu")
-GRIDENGINE_ONLY = ("group", "cpu_resource", "node_resource", "parallel_environment")
+# Keys that only some schedulers read: any other refuses them.
+ONLY_FOR = {
+    "qos": ("slurm",),
+    "per_gpu": ("slurm",),
+    "group": ("gridengine",),
+    "cpu_resource": ("gridengine",),
+    "node_resource": ("gridengine",),
+    "gpus_per_node": ("gridengine",),
+    "parallel_environment": ("gridengine",),
+    "local_disk": ("slurm", "gridengine"),  # --tmp
+    "gpu_constraint": ("slurm", "gridengine"),  # --constraint
+    "queue_resources": ("pbs",),
+    "node_queue": ("pbs",),
+}
+SCHEDULER_NAMES = {"slurm": "Slurm", "gridengine": "Grid Engine", "pbs": "PBS"}
 
 
 def check_gpus(site):
@@ -387,10 +436,10 @@ def check_gpus(site):
             f"{where}: {form!r} is not a known form for {site.scheduler} (known: {known})"
         )
     keys = site.data["scheduler"]
-    for key in SLURM_ONLY if site.scheduler != "slurm" else GRIDENGINE_ONLY:
-        if key in keys:
-            kind = "Slurm" if site.scheduler != "slurm" else "Grid Engine"
-            raise SiteFileError(f"{site.path}: scheduler.{key} is for {kind} sites only")
+    for key, kinds in ONLY_FOR.items():
+        if key in keys and site.scheduler not in kinds:
+            names = " and ".join(SCHEDULER_NAMES[kind] for kind in kinds)
+            raise SiteFileError(f"{site.path}: scheduler.{key} is for {names} sites only")
     pattern, help_ = DIRECTIVES[site.scheduler]
     for key in ("directives", "cpu_directives", "gpu_directives"):
         for item in keys.get(key, []):

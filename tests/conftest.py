@@ -55,6 +55,7 @@ SITES = TESTS / "sites"
 TEST_SITES = {
     "slurm": SITES / "slurm-test-cluster.toml",
     "gridengine": SITES / "gridengine-test-cell.toml",
+    "pbs": SITES / "pbs-test-complex.toml",
 }
 # Site files of three kinds of real centre (issue 27): their editions and pages build, and their
 # directives pass the parser of their scheduler on the tests' cluster and cell.
@@ -321,7 +322,7 @@ def edition_file(name):
     """The file a reader of the tests' cluster's edition gets for examples/<name>: the generated
     version of a job script (.sbatch: the Slurm cluster's, .qsub: the Grid Engine cell's), else
     the file itself."""
-    scheduler = {".sbatch": "slurm", ".qsub": "gridengine"}.get(Path(name).suffix)
+    scheduler = {".sbatch": "slurm", ".qsub": "gridengine", ".pbs": "pbs"}.get(Path(name).suffix)
     return test_edition(scheduler) / name if scheduler else EXAMPLES / name
 
 

@@ -1,7 +1,7 @@
 """A centre's edition: the site file, the generated job scripts, site-check's plan, the build.
 
-The runs of site-check against the tests' Slurm cluster and Grid Engine cell are in
-test_slurm.py and test_gridengine.py, beside the other tests that use them.
+The runs of site-check against the tests' Slurm cluster, Grid Engine cell and OpenPBS complex are
+in test_slurm.py, test_gridengine.py and test_pbs_site.py, beside the other tests that use them.
 """
 
 import html
@@ -34,8 +34,10 @@ from generate import CONDA_FILES, Context, GenerateError, generate, generate_tex
 from sitefile import SCHEMA, SiteFileError, load  # noqa: E402
 
 SITES = {"template": TEMPLATE, **TEST_SITES, **CENTRE_SITES}
-JOB_SCRIPTS = sorted(str(p.relative_to(EXAMPLES)) for s in ("*.sbatch", "*.qsub")
+JOB_SCRIPTS = sorted(str(p.relative_to(EXAMPLES)) for s in ("*.sbatch", "*.qsub", "*.pbs")
                      for p in EXAMPLES.rglob(s))  # fmt: skip
+SUFFIX = {"slurm": ".sbatch", "gridengine": ".qsub", "pbs": ".pbs"}
+GPU_FORM = {"slurm": "--gpus-per-node={n}", "gridengine": "-l gpu={n}", "pbs": "ngpus={n}"}
 BLOCK = re.compile(r"^# --- Site-specific.*?\n(.*?)^# -{20,}$", re.M | re.S)
 
 
@@ -44,7 +46,7 @@ def minimal(tmp_path, scheduler="slurm", **changes):
     data = {
         "centre": {"name": "Minimal HPC", "documentation": "https://hpc.example.org"},
         "scheduler": {"kind": scheduler, "cpu_partition": "", "gpu_partition": "gpu",
-                      "gpus": "--gpus-per-node={n}" if scheduler == "slurm" else "-l gpu={n}"},
+                      "gpus": GPU_FORM[scheduler]},
         "modules": {"python": []},
         "environment": {"venv": "$HOME/venv"},
         "storage": {"node_local": "TMPDIR", "scratch": "$SCRATCH", "project": "$PROJECT"},
@@ -92,7 +94,8 @@ BAD = {
     "GPU form of the other scheduler": ({"scheduler.gpus": "-l gpu={n}"}, "scheduler.gpus"),
     "wrong type": ({"scheduler.cores_per_gpu": "8"}, "cores_per_gpu must be a whole number"),
     "bad size": ({"scheduler.memory_per_gpu": "64 GB"}, "scheduler.memory_per_gpu must be a size"),
-    "unknown scheduler": ({"scheduler.kind": "pbs"}, "scheduler.kind must be slurm or gridengine"),
+    "unknown scheduler": ({"scheduler.kind": "lsf"},
+                          "scheduler.kind must be slurm, gridengine or pbs"),
     "unknown build": ({"pytorch.build": "cu118"}, "pytorch.build must be default, cu130"),
     # What a site file must not do: put a line of its own into the scripts, or a command.
     "a directive in the name": ({"centre.name": 'HPC\n#SBATCH --wrap="id"'},
@@ -165,6 +168,7 @@ def test_no_text_value_can_hold_shell_syntax(tmp_path, dotted, payload):
     if dotted.endswith("directives"):
         value = "--constraint=" + value
     scheduler = "gridengine" if key in ("group", "cpu_resource", "node_resource") else "slurm"
+    scheduler = "pbs" if key == "node_queue" else scheduler
     path = minimal(tmp_path, scheduler, **{dotted: [value] if spec.kind is list else value})
     with pytest.raises(SiteFileError, match=rf"{dotted}( must be |: .* is not a known form)"):
         load(path)
@@ -262,19 +266,20 @@ def editions(tmp_path_factory):
     """The edition of the template, of a site file with only the required keys, and of the
     tests' cluster and cell: {name: (site, examples folder, changed files)}."""
     out = {}
-    for name, path in [*SITES.items(), ("minimal", None), ("minimal-ge", None)]:
+    kinds = {"minimal": "slurm", "minimal-ge": "gridengine", "minimal-pbs": "pbs"}
+    for name, path in [*SITES.items(), *((name, None) for name in kinds)]:
         folder = tmp_path_factory.mktemp(name)
         if path is None:
-            path = minimal(folder, "gridengine" if name == "minimal-ge" else "slurm")
+            path = minimal(folder, kinds[name])
         site = load(path)
         out[name] = (site, folder / "examples", generate(site, folder))
     return out
 
 
-@pytest.mark.parametrize("name", [*SITES, "minimal", "minimal-ge"])
+@pytest.mark.parametrize("name", [*SITES, "minimal", "minimal-ge", "minimal-pbs"])
 def test_every_job_script_of_the_scheduler_is_filled_in(editions, name):
     site, folder, changed = editions[name]
-    suffix = ".sbatch" if site.scheduler == "slurm" else ".qsub"
+    suffix = SUFFIX[site.scheduler]
     for script in JOB_SCRIPTS:
         if script in omitted(site):
             assert not (folder / script).exists(), script
@@ -284,7 +289,7 @@ def test_every_job_script_of_the_scheduler_is_filled_in(editions, name):
             assert text == (EXAMPLES / script).read_text(), f"{script}: another scheduler's script"
             continue
         assert script in changed
-        assert "##SBATCH" not in text and "uncomment" not in text, script
+        assert "##SBATCH" not in text and "##PBS" not in text and "uncomment" not in text, script
         assert f"# --- Site-specific: {site.name}, generated from site.toml" in text, script
 
 
@@ -292,7 +297,7 @@ def outside_blocks(text):
     return BLOCK.sub("", text).splitlines()
 
 
-@pytest.mark.parametrize("name", [*SITES, "minimal"])
+@pytest.mark.parametrize("name", [*SITES, "minimal", "minimal-pbs"])
 def test_only_the_blocks_and_the_gpu_request_cores_and_memory_change(editions, name):
     """A maintainer can trust the diff: outside the blocks, only the resource lines change."""
     _site, folder, changed = editions[name]
@@ -367,7 +372,7 @@ def test_a_block_line_without_a_rule_stops_the_generation():
         generate_text(site, "x.sbatch", text)
 
 
-@pytest.mark.parametrize("name", ["template", "slurm", "gridengine"])
+@pytest.mark.parametrize("name", ["template", "slurm", "gridengine", "pbs", "abci3-pbs"])
 def test_the_generated_scripts_pass_shellcheck(editions, name):
     require_command("shellcheck", "apt-get install shellcheck (make system-packages)")
     _site, folder, changed = editions[name]
@@ -385,9 +390,9 @@ def test_checks_toml_has_an_entry_for_every_job_script_and_its_files_exist():
             assert settings["after"] in checks
 
 
-@pytest.mark.parametrize("scheduler", ["slurm", "gridengine"])
+@pytest.mark.parametrize("scheduler", ["slurm", "gridengine", "pbs"])
 def test_site_check_dry_run_prints_every_submission_and_submits_nothing(tmp_path, scheduler):
-    suffix = ".sbatch" if scheduler == "slurm" else ".qsub"
+    suffix = SUFFIX[scheduler]
     proc = run([sys.executable, EDITION / "site_check.py", TEST_SITES[scheduler], "--dry-run",
                 "--work-dir", tmp_path], cwd=ROOT, env={"PATH": "/usr/bin:/bin"})  # fmt: skip
     scripts = [s for s in JOB_SCRIPTS if s.endswith(suffix)]
@@ -395,12 +400,17 @@ def test_site_check_dry_run_prints_every_submission_and_submits_nothing(tmp_path
     assert sorted(line.split(":")[0].strip() for line in lines) == scripts, proc.stdout
     assert proc.stdout.rstrip().endswith("Dry run: nothing submitted."), proc.stdout
     assert not (tmp_path / "jobs").exists()
-    tool = "sbatch --parsable" if scheduler == "slurm" else "qsub -terse"
-    assert all(tool in line for line in lines), lines
+    tool = {"slurm": "sbatch --parsable", "gridengine": "qsub -terse", "pbs": " qsub -"}
+    assert all(tool[scheduler] in line for line in lines), lines
     if scheduler == "slurm":
         assert any(
             "'--dependency=afterok:<id of arrays/sweep.sbatch>'" in line for line in lines
         ), lines
+    if scheduler == "pbs":  # no arguments after the script: they travel in ARGS
+        assert all(line.endswith(".pbs") and "-terse" not in line for line in lines), lines
+        assert "qsub -v 'ARGS=--size 256' check_pytorch.pbs" in proc.stdout, proc.stdout
+        assert ("qsub -W 'depend=afterany:<id of arrays/sweep.pbs>' -v SWEEP_DIR=sweeps/site-check"
+                " collect.pbs") in proc.stdout, proc.stdout  # fmt: skip
 
 
 def test_site_check_without_a_scheduler_says_where_to_run_it(tmp_path):
@@ -492,7 +502,8 @@ def test_every_gpu_job_of_site_check_asks_for_the_gpu():
     judged by what it serves."""
     checks = tomllib.loads((EDITION / "checks.toml").read_text(encoding="utf-8"))
     sites = {".sbatch": load(CENTRE_SITES["national-slurm"]),
-             ".qsub": load(CENTRE_SITES["abci-gridengine"])}  # fmt: skip
+             ".qsub": load(CENTRE_SITES["abci-gridengine"]),
+             ".pbs": load(CENTRE_SITES["abci3-pbs"])}  # fmt: skip
     missing = []
     for name, settings in checks.items():
         site = sites[Path(name).suffix]
@@ -570,12 +581,21 @@ def test_a_resource_type_site_asks_for_gpus_nodes_and_cpus_its_way(editions):
     assert "#$ -l rt_G.small=2\n" in generate_text(site, "x.qsub", text.replace("gpu=4", "gpu=2"))
 
 
-SCHEDULER_KEYS = {  # a key of one scheduler in the other's site file
+SCHEDULER_KEYS = {  # a key of one scheduler in another's site file
     ("slurm", "scheduler.group"): "gaa50000",
     ("slurm", "scheduler.cpu_resource"): "-l rt_C.small=1",
     ("slurm", "scheduler.parallel_environment"): "smp",
     ("gridengine", "scheduler.qos"): "normal",
     ("gridengine", "scheduler.per_gpu"): True,
+    ("pbs", "scheduler.qos"): "normal",
+    ("pbs", "scheduler.group"): "gaa50000",
+    ("pbs", "scheduler.node_resource"): "-l rt_F={nodes}",
+    ("pbs", "scheduler.gpus_per_node"): 8,
+    ("pbs", "scheduler.parallel_environment"): "smp",
+    ("pbs", "scheduler.local_disk"): True,
+    ("pbs", "scheduler.gpu_constraint"): "h100",
+    ("slurm", "scheduler.queue_resources"): True,
+    ("gridengine", "scheduler.node_queue"): "rt_HF",
 }
 
 
@@ -615,6 +635,10 @@ CENTRE_CONSOLE = {
         "$ qrsh -l h_rt=00:30:00 -l rt_G.small=1 -g gaa50000\n",
         "$ module load python/3.11/3.11.9\n",
     ],
+    "abci3-pbs": [
+        "$ qsub -I -l select=1 -l walltime=00:30:00 -P gaa50000 -q rt_HG\n",
+        "$ module load python/3.12/3.12.9\n",
+    ],
 }
 GENERIC_FOLDER = "https://github.com/pytorch-on-hpc/pytorch-on-hpc/tree/main/examples/first-job"
 CENTRE_LINKS = {  # national-slurm names its repository: every folder link goes there
@@ -622,6 +646,7 @@ CENTRE_LINKS = {  # national-slurm names its repository: every folder link goes 
                        "first-job"},
     "h100-no-modules": {GENERIC_FOLDER},  # its unchanged files only: the .py and .qsub
     "abci-gridengine": {GENERIC_FOLDER},  # its unchanged files only: the .py and .sbatch
+    "abci3-pbs": {GENERIC_FOLDER},  # its unchanged files only: the .py, .sbatch and .qsub
 }  # fmt: skip
 
 
@@ -665,3 +690,179 @@ def test_the_conda_route_installs_the_sites_pytorch_build_as_the_venv_route(edit
     assert conda == venv and len(conda) == 2, (conda, venv)
     default = "TORCH_BUILD=${TORCH_BUILD:-default}"
     assert conda[0] == (default if build == "default" else f"TORCH_BUILD=${{TORCH_BUILD:-{build}}}")
+
+
+PBS_SCRIPTS = [name for name in JOB_SCRIPTS if name.endswith(".pbs")]
+
+
+def pbs_directives(text):
+    return re.findall(r"^#PBS (.*)$", text, re.M)
+
+
+def test_a_pbs_centre_whose_queues_set_the_chunks_asks_for_queues_and_chunk_counts(editions):
+    """ABCI 3.0: every job names its project (-P), a GPU job of one GPU the queue of one GPU,
+    one of more GPUs or chunks the queue of whole nodes, a CPU job the CPU queue; the chunks
+    name only their count. PBS reads no comment after a directive: each is on the line above."""
+    site, folder, _changed = editions["abci3-pbs"]
+    expected = {  # script: (queue, chunk)
+        "first-job/check_pytorch.pbs": ("rt_HG", "select=1"),
+        "one-gpu/cnn_gpu.pbs": ("rt_HG", "select=1"),
+        "checkpointing/train_checkpoint.pbs": ("rt_HG", "select=1"),
+        "ddp/ddp_torchrun.pbs": ("rt_HF", "select=2"),
+        "arrays/sweep.pbs": ("rt_HC", "select=1"),
+        "arrays/collect.pbs": ("rt_HC", "select=1"),
+    }
+    assert sorted(expected) == PBS_SCRIPTS
+    for name, (queue, chunk) in expected.items():
+        text = (folder / name).read_text()
+        lines = pbs_directives(text)
+        assert "-P gaa50000" in lines and f"-q {queue}" in lines, (name, lines)
+        assert [line for line in lines if line.startswith("-l select=")] == [f"-l {chunk}"], lines
+        assert not [line for line in lines if "#" in line], lines
+        block = BLOCK.search(text)[1].splitlines()
+        for i, line in enumerate(block):
+            if line.startswith("#PBS "):
+                assert block[i - 1].startswith("# ") and "site.toml: scheduler." in block[i - 1]
+    assert site.gpu_request(1) == "-q rt_HG" and site.gpu_request(8) == "-q rt_HF"
+
+
+def test_a_pbs_centre_asks_for_gpus_by_its_resource_with_cores_and_memory_per_gpu(tmp_path):
+    """Chunks keep their count, cores and memory; the GPUs take the site's resource name, and
+    cores and memory per GPU set a GPU job's. No project and no CPU queue: no -P line, no -q
+    line for CPU jobs, and no comment left for either."""
+    changes = {
+        "scheduler.gpus": "gpus={n}",
+        "scheduler.cores_per_gpu": 8,
+        "scheduler.memory_per_gpu": "64G",
+        "scheduler.gpu_directives": ["-l place=excl"],
+    }
+    generate(load(minimal(tmp_path, "pbs", **changes)), tmp_path)  # fmt: skip
+    ddp = (tmp_path / "examples/ddp/ddp_torchrun.pbs").read_text()
+    assert "#PBS -l select=2:ncpus=16:gpus=2:mem=128gb\n" in ddp, ddp
+    assert ("# site.toml: scheduler.cores_per_gpu, scheduler.gpus, scheduler.memory_per_gpu\n"
+            "#PBS -l select=2") in ddp  # fmt: skip
+    assert "# site.toml: scheduler.gpu_directives\n#PBS -l place=excl\n" in ddp
+    assert "#PBS -q gpu\n" in ddp and "#PBS -P" not in ddp and "project" not in ddp.lower()
+    sweep = (tmp_path / "examples/arrays/sweep.pbs").read_text()
+    assert "#PBS -l select=1:ncpus=2:mem=4gb\n" in sweep and "place=excl" not in sweep
+    assert "#PBS -q" not in sweep and "queue of CPU jobs" not in sweep.split("set -e")[0], sweep
+
+
+def test_the_tests_complex_edition_names_its_project_queue_and_directive(editions):
+    _site, folder, _changed = editions["pbs"]
+    text = (folder / "first-job/check_pytorch.pbs").read_text()
+    lines = pbs_directives(text)
+    assert "-l select=1:ncpus=4:ngpus=1" in lines and "-P tests" in lines, lines
+    assert "-q workq" in lines and "# site.toml: scheduler.directives\n#PBS -m n\n" in text
+
+
+def test_a_pbs_block_line_without_a_rule_stops_the_generation():
+    """A #PBS line of a block is a directive, not a comment: one no rule knows stops it."""
+    site = load(SITES["pbs"])
+    text = "#!/bin/bash\n# --- Site-specific: adapt ---\n#PBS -A myaccount\n# " + "-" * 30 + "\n"
+    with pytest.raises(GenerateError, match=r"^x\.pbs:3: .* no rule for: #PBS -A myaccount$"):
+        generate_text(site, "x.pbs", text)
+
+
+BAD_PBS = {
+    "a second line in a queue": ({"scheduler.gpu_partition": "gpu\n#PBS -W x"},
+                                 "scheduler.gpu_partition must be one line"),
+    "a second command in a queue": ({"scheduler.cpu_partition": "cpu;id"},
+                                    "scheduler.cpu_partition must be a partition name"),
+    "a second command in a directive": ({"scheduler.directives": ["-l place=excl;id"]},
+                                        "scheduler.directives must be pbs options"),
+    "a second line in a directive": ({"scheduler.gpu_directives": ["-m n\n#PBS -W x"]},
+                                     "scheduler.gpu_directives must be one line"),
+    "a comment after a directive": ({"scheduler.directives": ["-m n # no mail"]},
+                                    "scheduler.directives must be pbs options"),
+    "a Slurm directive": ({"scheduler.directives": ["--qos=normal"]},
+                          "scheduler.directives must be pbs options"),
+    "an unknown key": ({"scheduler.queue": "workq"}, "unknown key scheduler.queue"),
+    "gpus in a Grid Engine form": ({"scheduler.gpus": "-l ngpus={n}"},
+                                   "'-l ngpus={n}' is not a known form for pbs"),
+    "gpus in a Slurm form": ({"scheduler.gpus": "--gres=gpu:{n}"},
+                             "'--gres=gpu:{n}' is not a known form for pbs"),
+    "gpus with a second chunk": ({"scheduler.gpus": "ngpus={n}+1:ncpus=1"},
+                                 "is not a known form for pbs"),
+    "a Grid Engine key": ({"scheduler.group": "gaa50000"},
+                          "scheduler.group is for Grid Engine sites only"),
+    "a Slurm key": ({"scheduler.local_disk": True},
+                    "scheduler.local_disk is for Slurm and Grid Engine sites only"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", BAD_PBS)
+def test_a_bad_pbs_site_file_stops_with_one_line_naming_the_key(tmp_path, case):
+    changes, message = BAD_PBS[case]
+    path = minimal(tmp_path, "pbs", **changes)
+    proc = run([sys.executable, EDITION / "sitefile.py", path], cwd=ROOT, expect_rc=1)
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.startswith(f"site file: error: {path}: ") and message in proc.stderr, (
+        proc.stderr
+    )
+
+
+def test_the_recorded_pbs_diff_on_the_centres_page_is_what_generate_makes(editions):
+    """The "For HPC centres" page shows what the ABCI 3.0-style site file changes in the first
+    job's PBS script."""
+    _site, folder, _changed = editions["abci3-pbs"]
+    name = "first-job/check_pytorch.pbs"
+    proc = run(["diff", "-u", "--label", f"examples/{name}", "--label", f"edition/{name}",
+                EXAMPLES / name, folder / name], cwd=ROOT, expect_rc=1)  # fmt: skip
+    check_recorded(EDITION / "abci3-check_pytorch.diff", proc.stdout)
+
+
+@pytest.mark.parametrize(("gpus", "vnode", "count"), [
+    ("ngpus={n}", "(pbs-n1:ncpus=8:ngpus=2:mem=32gb)+(pbs-n2:ncpus=8:ngpus=2:mem=32gb)", 4),
+    ("ngpus={n}", "(pbs-n1:ncpus=4)", 0),
+    ("gpus={n}", "(g1:ncpus=8:ngpus=1:gpus=2)", 2),  # the site's resource, not another's
+])  # fmt: skip
+def test_site_check_counts_a_pbs_jobs_gpus_by_the_sites_resource(tmp_path, gpus, vnode, count):
+    site = load(minimal(tmp_path, "pbs", **{"scheduler.gpus": gpus}))
+    assert site_check.pbs_gpus(site, {"exec_vnode": vnode}) == count
+
+
+def test_site_check_judges_a_pbs_array_by_its_subjobs_and_reads_their_logs(tmp_path):
+    """qstat -x -t gives an array job's subjobs: one that failed fails the job; the logs are
+    <name>.o<number>.<index>, not those of another job whose number starts the same."""
+    site = load(SITES["pbs"])
+    name = "arrays/sweep.pbs"
+    job = site_check.Job(name, site_check.load_checks("pbs")[name], tmp_path)
+    job.job_id, job.start = "12[].pbs-n1", 0.0
+    (tmp_path / "sweep.o12.0").write_text("task 0: lr=0.1\n")
+    (tmp_path / "sweep.o12.1").write_text("task 1: the loss is nan\n")
+    (tmp_path / "sweep.o123").write_text("another job\n")
+    records = [
+        {"Exit_status": 0, "exec_host": "pbs-n1/0", "exec_vnode": "(pbs-n1:ncpus=2)"},
+        {"Exit_status": 1, "exec_host": "pbs-n2/0", "exec_vnode": "(pbs-n2:ncpus=2)"},
+    ]
+    site_check.judge(site, job, records)  # fmt: skip
+    assert (job.outcome, job.message) == ("failed", "Exit_status 0; Exit_status 1")
+    assert job.info["nodes"] == "pbs-n1,pbs-n2" and job.info["gpus_given"] == 0
+    assert "task 0" in job.log and "the loss is nan" in job.log and "another" not in job.log
+    records[1]["Exit_status"] = 0
+    site_check.judge(site, job, records)
+    assert job.outcome == "passed", job.message
+
+
+def test_site_check_passes_a_pbs_jobs_options_in_args():
+    """PBS passes a job script no arguments: args and the GPU's travel in ARGS (qsub -v),
+    a value with a comma quoted, as qsub -v reads it."""
+    site = load(CENTRE_SITES["abci3-pbs"])  # a GPU build: the job asks for the GPU
+    name = "first-job/check_pytorch.pbs"
+    job = site_check.Job(name, site_check.load_checks("pbs")[name], Path("."))
+    command = site_check.command_for(site, job, after="7.pbs-n1")
+    assert command[:3] == ["qsub", "-W", "depend=afterany:7.pbs-n1"], command
+    assert command[-1] == "check_pytorch.pbs" and "-terse" not in command, command
+    assert "ARGS=--device cuda --size 256" in command[4].split(","), command
+    job.settings["env"] = {"LIST": "a,b"}
+    assert "LIST='a,b'" in site_check.command_for(site, job)[2], command
+
+
+def test_the_pbs_section_on_the_centres_page_is_the_tests_site_files():
+    """The "For HPC centres" page shows a PBS centre's [scheduler] section: that of the
+    ABCI 3.0-style site file, which the tests build and submit."""
+    page = (ROOT / "source" / "about" / "centres.md").read_text()
+    blocks = [tomllib.loads(b) for b in re.findall(r"^```toml\n(.*?)^```$", page, re.M | re.S)]
+    shown = [block for block in blocks if block.get("scheduler", {}).get("kind") == "pbs"]
+    assert shown == [{"scheduler": load(CENTRE_SITES["abci3-pbs"]).data["scheduler"]}], shown

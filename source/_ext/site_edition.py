@@ -36,7 +36,7 @@ EXAMPLES = ROOT / "examples"
 EDITIONS = ROOT / "_build" / "editions"
 sys.path.insert(0, str(ROOT / "edition"))
 
-from generate import GenerateError, generate, omitted, scheduler_of  # noqa: E402
+from generate import GenerateError, generate, omitted, pbs_chunk, scheduler_of  # noqa: E402
 from sitefile import SiteFileError, load  # noqa: E402
 
 SITE = None  # the loaded site file, or None for the generic guide
@@ -178,12 +178,22 @@ def console_line(site, command):
                  if (value := site.get(f"scheduler.{key}"))]  # fmt: skip
         extra += [directive for _key, directive in site.directives(gpu_job=bool(gpus))]
         return " ".join([command, *extra])
+    if site.scheduler == "pbs" and command.startswith("qsub -I "):
+        chunk = re.search(r" -l select=(\d+)((?::\w+=[\w.]+)*)(?= |$)", command)
+        gpus = re.search(r":ngpus=(\d+)", chunk[2]) if chunk else None
+        if chunk:  # the chunk as the site asks for it; its queue, project and directives
+            command = command.replace(chunk[0], " -l " + pbs_chunk(site, chunk[1], chunk[2])[0])
+        queue = site.pbs_queue(gpus[1] if gpus else 0, chunk[1] if chunk else 1)
+        extra = [f"{option} {value}" for option, value in (("-P", site.get("scheduler.account")),
+                 ("-q", queue)) if value]  # fmt: skip
+        extra += [directive for _key, directive in site.directives(gpu_job=bool(gpus))]
+        return " ".join([command, *extra])
     return command
 
 
 class EditionConsole(SphinxTransform):
     """Console blocks of the pages (not included files) as the centre's users type them: its
-    modules, its venv, its interactive GPU session (salloc, qrsh)."""
+    modules, its venv, its interactive GPU session (salloc, qrsh, qsub -I)."""
 
     default_priority = 210
 

@@ -6,8 +6,8 @@ durations, the date, the versions, and the sha256 of the file they ran. This ext
 them at build time, so that nothing a page says about verification is typed by hand:
 
 - under the title of every page, a stamp for the example files the page includes: CPU tests,
-  the Slurm test cluster, the Grid Engine test cell, GPU ("not yet run" when no GPU record
-  exists), and which files changed since their last recorded run (stale);
+  the Slurm test cluster, the Grid Engine test cell, the PBS test complex, GPU ("not yet run"
+  when no GPU record exists), and which files changed since their last recorded run (stale);
 - under every block included from examples/, the file it comes from, a download link for the
   whole file and a link to its folder in the repository;
 - the directive ``verification-table``, the table of every example of the "How this guide is
@@ -40,7 +40,7 @@ SUITES = ("cpu", "slurm", "gridengine", "pbs", "gpu")
 TESTING_PAGE = "/about/testing"
 # Files that are scripts (the tests run them); data and configuration files are shown too,
 # but their stamp is that of the scripts that read them.
-SCRIPT = re.compile(r".*\.(py|sh|sbatch|qsub|cpp)$|CMakeLists\.txt$")
+SCRIPT = re.compile(r".*\.(py|sh|sbatch|qsub|pbs|cpp)$|CMakeLists\.txt$")
 
 
 def load_records(folder=RECORDS):
@@ -261,7 +261,7 @@ def centre_note():
             _("CPU jobs to {partition}"),
             partition=code(text=site.get("scheduler.cpu_partition") or _("the default")),
         ),
-        fill(_("GPUs are requested with {request}"), request=code(text=site.gpu_request("N"))),
+        fill(_("GPUs are requested with {request}"), request=code(text=gpu_requests(site))),
     ]
     if site.get("scheduler.account"):
         facts.append(
@@ -285,9 +285,17 @@ def centre_note():
     paragraph.extend(fill(_("{lead} {choices}. {note}"), lead=lead, choices=choices, note=_(
         "The site-specific blocks of its job scripts on this page are filled in with these "
         "choices, and its stamp covers them; the project's stamp covers the generic scripts "
-        "they are made from, and the scripts of the other scheduler, which stay generic."
+        "they are made from, and the scripts of the other schedulers, which stay generic."
     )))  # fmt: skip
     return paragraph
+
+
+def gpu_requests(site):
+    """How the centre's jobs ask for N GPUs; at a PBS site whose queues set the chunks, the
+    queue of one GPU and, where it differs, that of more."""
+    if site.scheduler == "pbs" and site.get("scheduler.queue_resources"):
+        return " / ".join(dict.fromkeys([site.gpu_request(1), site.gpu_request(2)]))
+    return site.gpu_request("N")
 
 
 def included_example(node):
