@@ -167,3 +167,54 @@ def test_a_stamp_says_1_test_not_1_tests(tmp_path):
         parts = verification.stamp_text(verification.load_records(tmp_path), [name])
         text = "".join(node.astext() for node in parts[0])
         assert text == f"CPU: {words} (2026-11-25, torch 2.13.0, Python 3.11.7)"
+
+
+def test_a_test_marked_pbs_records_into_the_pbs_suite(tmp_path):
+    """A test of the OpenPBS complex (marker pbs, as test_pbs.py and test_pbs_site.py set it)
+    writes records/pbs.json, not cpu.json."""
+    (tmp_path / "test_inner.py").write_text(textwrap.dedent(f"""
+        import shutil
+        from pathlib import Path
+
+        import pytest
+
+        pytestmark = pytest.mark.pbs
+
+        def test_copies(tmp_path):
+            shutil.copy2(Path({str(EXAMPLES)!r}) / "first-job" / "check_pytorch.pbs", tmp_path)
+    """))  # fmt: skip
+    (tmp_path / "conftest.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+        "from records import pytest_configure, pytest_runtest_makereport, "
+        "pytest_runtest_setup, pytest_runtest_teardown  # noqa\n"
+    )
+    records = tmp_path / "records"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "-q",
+         "-o", "addopts=", "-o", "markers=pbs", "test_inner.py"],
+        cwd=tmp_path, env=example_env(PYTORCH_ON_HPC_RECORDS_DIR=records, PYTORCH_ON_HPC_RECORDS=1),
+        capture_output=True, text=True, check=False, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(p.name for p in records.glob("*.json")) == ["pbs.json"]
+    examples = json.loads((records / "pbs.json").read_text())["examples"]
+    assert list(examples) == ["first-job/check_pytorch.pbs"], examples
+
+
+def test_a_pbs_job_script_has_a_pbs_stamp_and_shows_as_not_tested_once_changed(tmp_path):
+    """A .pbs file is a script: its stamp names the PBS test complex, and once it changed
+    after its last run it is listed as not tested in its current version."""
+    sphinx.locale.init([], None)  # English, as a build without a language registers it
+    name = "first-job/check_pytorch.pbs"
+    digest = sha256((EXAMPLES / name).read_bytes()).hexdigest()
+    entry = {"sha256": digest, "date": "2026-11-28", "torch": "2.13.0", "python": "3.11.7",
+             "tests": {"t::a": ["passed", 1.0]}}  # fmt: skip
+    (tmp_path / "pbs.json").write_text(json.dumps({"examples": {name: entry}}))
+    records = verification.load_records(tmp_path)
+    parts = verification.stamp_text(records, [name])
+    texts = ["".join(node.astext() for node in part) for part in parts]
+    assert "PBS test complex: 1 test passed (2026-11-28, torch 2.13.0, Python 3.11.7)" in texts
+    assert verification.untested(records, [name]) == []
+    entry["sha256"] = "0" * 64  # the file changed after this run
+    (tmp_path / "pbs.json").write_text(json.dumps({"examples": {name: entry}}))
+    assert verification.untested(verification.load_records(tmp_path), [name]) == [name]
