@@ -296,6 +296,15 @@ class Job:
     prepare: tuple = ()  # shell commands run in the job's folder before it is submitted, as a
     # reader prepares data or an image on a login node
 
+    def assert_printed(self, output, job_id):
+        """Every expected line is in the job's output: a string, where {job_id} is the job's
+        id, or a compiled pattern it must match."""
+        for line in self.expect:
+            if isinstance(line, re.Pattern):
+                assert line.search(output), (line.pattern, output)
+            else:
+                assert line.format(job_id=job_id) in output, output
+
 
 _editions = {}
 

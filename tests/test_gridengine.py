@@ -104,8 +104,7 @@ def test_job_script_completes_under_grid_engine(cell_env, tmp_path, script, reco
     output = next(tmp_path.glob(f"*.o{job_id}")).read_text()
     assert (record["failed"], record["exit_status"]) == ("0", "0"), output
     assert f"Job {job_id} on " in output
-    for line in job.expect:
-        assert line in output, output
+    job.assert_printed(output, job_id)
 
 
 @pytest.mark.parametrize("script", SINGLE_JOBS)

@@ -90,10 +90,6 @@ def output_of(folder, name, job_id):
     return path.read_text() if path.exists() else ""
 
 
-def expected(line, job_id):
-    return line.format(job_id=job_id) if isinstance(line, str) else line
-
-
 @pytest.fixture
 def complex_env(pbs_complex, job_env):
     """The job scripts' environment (job_env), with PBS's commands first on PATH."""
@@ -126,12 +122,7 @@ def test_job_script_completes_under_pbs(complex_env, tmp_path, script, record_pr
     record_property("timing", f"PBS job {script}: {time.perf_counter() - start:.1f} s")
     output = output_of(tmp_path, record["Job_Name"], job_id)
     assert record.get("Exit_status") == 0, output
-    for line in job.expect:
-        line = expected(line, job_id)
-        if isinstance(line, str):
-            assert line in output, output
-        else:
-            assert line.search(output), output
+    job.assert_printed(output, job_id)
 
 
 @pytest.mark.parametrize("script", SINGLE_JOBS)
@@ -309,6 +300,37 @@ def test_ddp_on_one_node_is_the_same_script_with_one_chunk(complex_env, tmp_path
     assert record.get("Exit_status") == 0, output
     assert f"Job {job}: 1 node(s) x 2 processes, rendezvous at pbs-n" in output, output
     assert "2 processes, cpu (gloo), global batch 128" in output and "epoch 2: loss " in output
+
+
+STOPPED_TORCHRUN = """#!/bin/bash
+# Stand-in for the second node's torchrun: it fails at once; the first node's is the real one.
+[[ " $* " == *" --rdzv-conf=is_host=0 "* ]] || exec "$VIRTUAL_ENV/bin/torchrun" "$@"
+echo "stand-in torchrun of the second node: failing with status 3"
+exit 3
+"""
+
+
+def test_a_failed_torchrun_stops_the_other_nodes_and_the_job(complex_env, tmp_path):
+    """The second node's torchrun fails at once: the job ends with its status, not after the
+    first node's has waited out the rendezvous timeout (600 s, past this test's wait)."""
+    copy_example(tmp_path, "ddp/ddp_torchrun.pbs", "ddp/ddp.py")
+    standin = tmp_path / "standin"
+    standin.mkdir()
+    (standin / "torchrun").write_text(STOPPED_TORCHRUN)
+    (standin / "torchrun").chmod(0o755)
+    # A venv whose activate puts the stand-in first, as the job's PATH reaches every node.
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "activate").write_text(
+        f"source {complex_env['VENV']}/bin/activate\nPATH={standin}:$PATH\n"
+    )
+    env = {**complex_env, "VENV": str(venv)}
+    job = qsub("ddp_torchrun.pbs", args=TRAIN, cwd=tmp_path, env=env)
+    record = wait_for(job, env, timeout=90)
+    output = output_of(tmp_path, "ddp-torchrun", job)
+    assert record.get("Exit_status") == 3, output
+    assert "2 node(s) x 2 processes" in output and "failing with status 3" in output, output
+    assert "epoch 1" not in output, output
 
 
 def test_a_job_without_gpus_is_refused_by_the_ddp_script(complex_env, tmp_path):

@@ -538,11 +538,7 @@ def test_job_script_completes_under_slurm(
     job_id, info, _ = collect(batch, script, None, cluster, job_env, tmp_path, request)
     record_property("timing", f"Slurm job {script}: ran {info['RunTime']}")
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), info["output"]
-    for line in job.expect:
-        if isinstance(line, re.Pattern):
-            assert line.search(info["output"]), (line.pattern, info["output"])
-        else:
-            assert line.format(job_id=job_id) in info["output"], info["output"]
+    job.assert_printed(info["output"], job_id)
     nodes = re.search(r"^#SBATCH --nodes=(\d+)", (EXAMPLES / script).read_text(), re.M)
     if nodes and int(nodes[1]) > 1:  # a multi-node script must really use every node
         for node in ("n1", "n2"):
@@ -867,8 +863,7 @@ def test_jupyter_server_starts_answers_and_stops(cluster, job_env, tmp_path):
         assert node in ("n1", "n2") and port != 8888 and port >= 20000 + int(job_id) % 10000, out
         token = re.search(rf"^    http://localhost:{port}/lab\?token=([0-9a-f]{{48}})$", out, re.M)
         assert token, out
-        for line in job.expect:
-            assert line.format(job_id=job_id) in out, out
+        job.assert_printed(out, job_id)
         assert output.stat().st_mode & 0o777 == 0o600, "the output holds the token: private"
         runtime = Path("/tmp", f"jupyter-{job_id}")
         assert runtime.stat().st_mode & 0o777 == 0o700, out
@@ -1162,8 +1157,7 @@ def test_a_site_that_asks_per_gpu_runs_its_jobs_with_their_cores(cluster, job_en
     job_id = sbatch("ddp_srun.sbatch", *job.args, cwd=folder, env=env)
     info = wait_for(job_id, env)
     assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), info["output"]
-    for line in job.expect:
-        assert line.format(job_id=job_id) in info["output"], info["output"]
+    job.assert_printed(info["output"], job_id)
     assert info.get("CPUs/Task", "1") == "1", info
     check_step_cores(cluster, job_id, {**info, "CPUs/Task": "1"})
 

@@ -14,6 +14,10 @@
 # reachable from this machine only, and names in /etc/hosts. The complex's own pbs.conf (not
 # /etc/pbs.conf: a machine with a real PBS keeps it) is named by PBS_CONF_FILE, which every job
 # gets too (pbs_environment). Daemons are stopped by the process ids in their lock files.
+#
+# Ports: PBS's defaults (15001-15007, the MoMs', the comm's 17001) lie in 15000-24999, where the
+# guide's job scripts put their rendezvous ports (15000 + job id % 10000), and the tests' Slurm
+# jobs run beside this complex: its ports are 25001-25013 and 27001 instead.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -38,11 +42,19 @@ addresses() {
     done
 }
 
+SERVER_PORT=25001 DATA_PORT=25007 COMM=pbs-n1:27001
+MOM1_PORT=25002 MOM2_PORT=25012  # each MoM's manager port is the next one
+
 conf() {  # conf FILE HOME NODE MOM_PORT SERVER_DAEMONS(0|1)
     cat > "$1" <<CONF
 $MARK
 PBS_EXEC=$PBS_EXEC
 PBS_SERVER=pbs-n1
+PBS_BATCH_SERVICE_PORT=$SERVER_PORT
+PBS_BATCH_SERVICE_PORT_DIS=$SERVER_PORT
+PBS_DATA_SERVICE_PORT=$DATA_PORT
+PBS_COMM_NAME=$COMM
+PBS_LEAF_ROUTERS=$COMM
 PBS_HOME=$2
 PBS_START_SERVER=$5
 PBS_START_SCHED=$5
@@ -66,8 +78,8 @@ up() {
     down >/dev/null 2>&1 || true
     rm -rf "$HOME1" "$HOME2"
     mkdir -p "$HOME1"
-    conf "$CONF1" "$HOME1" pbs-n1 15002 1
-    conf "$CONF2" "$HOME2" pbs-n2 15012 0
+    conf "$CONF1" "$HOME1" pbs-n1 "$MOM1_PORT" 1
+    conf "$CONF2" "$HOME2" pbs-n2 "$MOM2_PORT" 0
     # PBS_HOME, the server's database and its first start; the output is the installer's.
     PBS_CONF_FILE=$CONF1 "$PBS_EXEC/libexec/pbs_habitat" > "$HOME1.habitat.log" 2>&1 \
         || die "pbs_habitat failed (log: $HOME1.habitat.log)"
@@ -104,7 +116,7 @@ up() {
     PBS_CONF_FILE=$CONF1 "$PBS_EXEC/bin/qmgr" -c "list node @default" 2>/dev/null \
         | awk '/^Node / && $2 !~ /^pbs-n[12]$/ {print $2}' | while read -r node; do
             qmgr_ "delete node $node"; done
-    for node in pbs-n1:15002 pbs-n2:15012; do
+    for node in "pbs-n1:$MOM1_PORT" "pbs-n2:$MOM2_PORT"; do
         PBS_CONF_FILE=$CONF1 "$PBS_EXEC/bin/pbsnodes" "${node%:*}" >/dev/null 2>&1 \
             || qmgr_ "create node ${node%:*} port=${node#*:}"
         qmgr_ "set node ${node%:*} resources_available.ncpus = 16" \
