@@ -18,6 +18,7 @@ from conftest import (
     free_port,
     launch,
     load_example,
+    private_mount_namespace,
     run,
 )
 
@@ -141,6 +142,35 @@ def test_fsdp_checkpoint_reshards_to_4_and_to_1_process_and_converts(tmp_path, r
         "(--width and --blocks must be those of the run that saved it)\n"
     )
     check_recorded(FOLDER / "fsdp_dcp-width-mismatch.out", proc.stderr)
+
+    # Converting with another model, or onto a full file system: one line, and no file with
+    # the target's name or a .tmp one is left.
+    args = ["--convert", "checkpoints/epoch-2", "other.pt", "--width", "32", "--blocks", "2"]
+    proc = run([sys.executable, FSDP, *args], cwd=tmp_path, expect_rc=2)
+    assert (
+        proc.stderr.startswith(
+            "fsdp_dcp.py: error: checkpoints/epoch-2 does not match --width 32 --blocks 2: "
+            "size mismatch for "
+        )
+        and proc.stderr.count("\n") == 1
+    ), proc.stderr
+    assert not list(tmp_path.glob("other.pt*"))
+    small = tmp_path / "small"
+    small.mkdir()
+    convert = [sys.executable, FSDP, "--convert", "checkpoints/epoch-2", "small/model.pt",
+               "--width", "64", "--blocks", "2"]  # fmt: skip
+    on_a_small_disk = 'mount -t tmpfs -o size=64k tmpfs small && "$@"; rc=$?; ls -A small; exit $rc'
+    proc = subprocess.run(
+        [*private_mount_namespace(), "sh", "-c", on_a_small_disk, "sh", *map(str, convert)],
+        cwd=tmp_path, env=example_env(), capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert (proc.returncode, proc.stdout) == (2, ""), (proc.stdout, proc.stderr)  # nothing left
+    assert (
+        proc.stderr.startswith(
+            "fsdp_dcp.py: error: cannot write small/model.pt: no space left (the file system"
+        )
+        and proc.stderr.count("\n") == 1
+    ), proc.stderr
 
 
 def one_of(world, rank=0, **extra):

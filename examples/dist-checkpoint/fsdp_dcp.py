@@ -480,18 +480,36 @@ def convert(args):
     if reason is not None:
         fail(f"cannot convert {checkpoint}: {reason}")
     target.parent.mkdir(parents=True, exist_ok=True)
+    # Written as target.tmp, checked, synced, then renamed: a file with the target's name is
+    # a complete conversion that loads into the model, and a failure leaves nothing behind.
+    temporary = target.with_name(f"{target.name}.tmp")
+
+    def stop(message):
+        with contextlib.suppress(OSError):
+            temporary.unlink()
+        fail(message)
+
     try:
-        dcp_to_torch_save(checkpoint, target)  # all of it (optimizer state too) in this memory
+        dcp_to_torch_save(checkpoint, temporary)  # all of it (optimizer state too) in memory
     except dcp.CheckpointException as error:  # a damaged shard file
         cause = str(next(iter(error.failures.values()))[0])
-        fail(f"cannot convert {checkpoint}: {cause.splitlines()[0].split('. ')[0]}")
-    state = torch.load(target, map_location="cpu", weights_only=True)
+        stop(f"cannot convert {checkpoint}: {cause.splitlines()[0].split('. ')[0]}")
+    except (OSError, RuntimeError) as error:  # a full disk, a quota, a read-only folder
+        stop(f"cannot write {target}: {write_problem(error, target.parent)}")
+    state = torch.load(temporary, map_location="cpu", weights_only=True)
     model = make_model(torch, args.width, args.blocks)  # a plain model, no FSDP
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as error:
-        fail(f"{checkpoint} does not match --width {args.width} --blocks {args.blocks}: "
+        stop(f"{checkpoint} does not match --width {args.width} --blocks {args.blocks}: "
              f"{str(error).splitlines()[1].strip()}")  # fmt: skip
+    descriptor = os.open(temporary, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)  # the data is on disk before the file gets its name
+    finally:
+        os.close(descriptor)
+    os.replace(temporary, target)
+    fsync_folder(target.parent)
     model.eval()
     digest = weights_digest(torch, sorted(model.state_dict().items()))
     print(f"Wrote {target}: the model after epoch {state['epoch']}, weights digest {digest}")

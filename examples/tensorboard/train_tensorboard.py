@@ -13,6 +13,8 @@ and TensorBoard drops what the first start logged after it: each step is shown o
 """
 
 import argparse
+import contextlib
+import errno
 import getpass
 import glob
 import math
@@ -140,14 +142,45 @@ def make_model(classes=10):
     )  # fmt: skip
 
 
+def write_problem(error, folder):
+    """What a failed write means, in words: a full file system or quota, a read-only one."""
+    code = getattr(error, "errno", None)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return "no space left (the file system or your quota is full)"
+    if code == errno.EROFS:
+        return "the file system is read-only"
+    with contextlib.suppress(OSError):  # torch.save reports a short write without the errno
+        if os.statvfs(folder).f_bavail == 0:
+            return "no space left (the file system is full)"
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
 def save_checkpoint(path, model, optimizer, scheduler, epoch, step, config):
-    """To a temporary file, then renamed: a file with the checkpoint's name is complete."""
+    """To a temporary file, synced, then renamed: a file with the checkpoint's name is
+    complete. A failed write (a full disk, a quota) removes the temporary file, leaves the
+    last checkpoint as it was and stops in one line."""
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
              "scheduler": scheduler.state_dict(), "epoch": epoch, "step": step,
              "config": config}  # fmt: skip
     temporary = path.with_name(path.name + ".tmp")
-    torch.save(state, temporary)
-    os.replace(temporary, path)
+    try:
+        with open(temporary, "wb") as file:
+            torch.save(state, file)
+            file.flush()
+            os.fsync(file.fileno())  # the data is on disk before the file gets its name
+        os.replace(temporary, path)  # atomic: a reader sees the old file or the new one
+    except (OSError, RuntimeError) as error:
+        reason = write_problem(error, path.parent)
+        with contextlib.suppress(OSError):
+            temporary.unlink()  # frees the space it took
+        kept = f"{path} is intact" if path.exists() else "no checkpoint was saved before"
+        fail(f"cannot write {path}: {reason}; {kept}: free some space (df -h, or your centre's "
+             "quota command) and run again")  # fmt: skip
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the new name is on disk too
+    finally:
+        os.close(directory)
 
 
 def resume(path, model, optimizer, scheduler, config):
