@@ -545,6 +545,16 @@ def pbs_complex():
         yield {"PBS_CONF_FILE": str(records.PBS_CONF), "PBS_EXEC": exec_dir, "PATH": path}, seconds
 
 
+def assert_site_check_passed(entries, scripts, state):
+    """Every job script of a test scheduler ran under site-check and passed, ending in state,
+    in the test site's own version (its edition differs from the generic script)."""
+    assert sorted(entries) == scripts
+    for name, entry in entries.items():
+        assert entry["tests"]["site-check"][0] == "passed", (name, entry)
+        assert entry["state"] == state and entry["nodes"], (name, entry)
+        assert entry["edition_sha256"] != entry["sha256"], name  # the site's own version ran
+
+
 def assert_row_1_named(collect_output, task_output, sweep_dir):
     """A sweep whose row 1 diverged, after an earlier sweep left a result for row 1 elsewhere
     (the scheduler tests): the row's task says why it failed, and the collecting job names the

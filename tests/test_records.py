@@ -111,8 +111,8 @@ INNER = textwrap.dedent(
 )
 
 
-def test_a_test_run_records_what_each_test_ran(tmp_path):
-    (tmp_path / "test_inner.py").write_text(INNER.format(examples=str(EXAMPLES)))
+def run_with_records(tmp_path, *options):
+    """Run tmp_path/test_inner.py under pytest with the records plugin; the records folder."""
     (tmp_path / "conftest.py").write_text(
         f"import sys\nsys.path.insert(0, {str(ROOT / 'tests')!r})\n"
         "from records import pytest_configure, pytest_runtest_makereport, "
@@ -120,12 +120,18 @@ def test_a_test_run_records_what_each_test_ran(tmp_path):
     )
     records = tmp_path / "records"
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "-q",
-         "-o", "addopts=", "test_inner.py"],
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-o", "addopts=",
+         *options, "test_inner.py"],
         cwd=tmp_path, env=example_env(PYTORCH_ON_HPC_RECORDS_DIR=records, PYTORCH_ON_HPC_RECORDS=1),
         capture_output=True, text=True, check=False, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    return records
+
+
+def test_a_test_run_records_what_each_test_ran(tmp_path):
+    (tmp_path / "test_inner.py").write_text(INNER.format(examples=str(EXAMPLES)))
+    records = run_with_records(tmp_path, "-n", "2")
     examples = json.loads((records / "cpu.json").read_text())["examples"]
     assert sorted(examples) == [
         "ddp/ddp.py", "first-job/check_pytorch.sbatch", "install/check_pytorch.py",
@@ -183,19 +189,7 @@ def test_a_test_marked_pbs_records_into_the_pbs_suite(tmp_path):
         def test_copies(tmp_path):
             shutil.copy2(Path({str(EXAMPLES)!r}) / "first-job" / "check_pytorch.pbs", tmp_path)
     """))  # fmt: skip
-    (tmp_path / "conftest.py").write_text(
-        f"import sys\nsys.path.insert(0, {str(ROOT / 'tests')!r})\n"
-        "from records import pytest_configure, pytest_runtest_makereport, "
-        "pytest_runtest_setup, pytest_runtest_teardown  # noqa\n"
-    )
-    records = tmp_path / "records"
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "-q",
-         "-o", "addopts=", "-o", "markers=pbs", "test_inner.py"],
-        cwd=tmp_path, env=example_env(PYTORCH_ON_HPC_RECORDS_DIR=records, PYTORCH_ON_HPC_RECORDS=1),
-        capture_output=True, text=True, check=False, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    records = run_with_records(tmp_path, "-n", "0", "-o", "markers=pbs")
     assert sorted(p.name for p in records.glob("*.json")) == ["pbs.json"]
     examples = json.loads((records / "pbs.json").read_text())["examples"]
     assert list(examples) == ["first-job/check_pytorch.pbs"], examples
