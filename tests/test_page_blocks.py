@@ -97,6 +97,8 @@ BLOCKS = {
      "needs the centre's login node: test_edition.py runs the dry run with the tests' site "
      "files, and test_slurm.py and test_gridengine.py run make site-check against the tests' "
      "cluster and cell"),
+    ("about/centres.md", "[scheduler]"): ("compared", "test_edition.py::"
+     "test_the_pbs_section_on_the_centres_page_is_the_tests_site_files"),
     ("distributed/horovod.md", "(pytorch) [user@login ~]$ bash install_horovod.sh --print-env"):
         ("console", "local"),
     ("distributed/pipeline.md", "try:"): ("python", "test_pages.py"),
@@ -232,6 +234,9 @@ def test_every_typed_block_is_verified(page, line, language, text):
         above = page.read_text(encoding="utf-8").splitlines()[: line - 1]
         paragraph = "\n".join(above).rstrip().rsplit("\n\n", 1)[-1]
         assert "illustrative" in paragraph, f"{where}: say above it that it is illustrative"
+    elif kind == "compared":  # a test compares the block with a file that the tests use
+        test_file, test_name = detail.split("::")
+        assert f"def {test_name}(" in (TESTS / test_file).read_text(), where
     elif kind == "not run":
         # Commands only: a block that is not run must not show output as if it were.
         assert language in ("console", "bash", "text") and detail, where
