@@ -416,6 +416,32 @@ def private_mount_namespace():
     return unshare
 
 
+SMALL_DISK = """set -e
+folder=$1 size=$2 kept=$3
+shift 3
+mount -t tmpfs -o "size=$size" tmpfs "$folder"
+status=0
+"$@" || status=$?
+cp -a "$folder/." "$kept/"
+exit "$status"
+"""
+
+
+def on_a_small_disk(command, cwd, folder, size, timeout=120):
+    """Run command in cwd where the folder cwd/folder is a tmpfs of size (e.g. "400k"), in a
+    private mount namespace: a file system that fills up. Returns the completed process and a
+    folder holding what the tmpfs held at the end, copied out of it."""
+    (cwd / folder).mkdir()
+    kept = cwd / f"{folder}.kept"
+    kept.mkdir()
+    shell = ["sh", "-c", SMALL_DISK, "sh", folder, size, str(kept), *map(str, command)]
+    proc = subprocess.run(
+        [*private_mount_namespace(), *shell], cwd=cwd, env=example_env(),
+        capture_output=True, text=True, timeout=timeout, check=False,
+    )  # fmt: skip
+    return proc, kept
+
+
 def on_a_gpu_node(command, folder):
     """command, run where /dev/nvidia0 exists and no GPU is behind it (a node whose driver or
     PyTorch build cannot serve it); skips, saying why, where no mount namespace can be made or
@@ -543,6 +569,17 @@ def pbs_complex():
         exec_dir = records.pbs_exec()
         path = f"{exec_dir}/bin{os.pathsep}{os.environ['PATH']}"
         yield {"PBS_CONF_FILE": str(records.PBS_CONF), "PBS_EXEC": exec_dir, "PATH": path}, seconds
+
+
+PBS_SCRIPTS = sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*.pbs"))
+
+
+@pytest.fixture
+def complex_env(pbs_complex, job_env):
+    """The job scripts' environment (job_env), with PBS's commands first on PATH (Grid
+    Engine's qsub and qstat are installed too)."""
+    env = pbs_complex[0]
+    return {**job_env, **env, "PATH": f"{env['PBS_EXEC']}/bin{os.pathsep}{job_env['PATH']}"}
 
 
 def assert_site_check_passed(entries, scripts, state):

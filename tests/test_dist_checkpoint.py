@@ -18,7 +18,7 @@ from conftest import (
     free_port,
     launch,
     load_example,
-    private_mount_namespace,
+    on_a_small_disk,
     run,
 )
 
@@ -155,16 +155,10 @@ def test_fsdp_checkpoint_reshards_to_4_and_to_1_process_and_converts(tmp_path, r
         and proc.stderr.count("\n") == 1
     ), proc.stderr
     assert not list(tmp_path.glob("other.pt*"))
-    small = tmp_path / "small"
-    small.mkdir()
     convert = [sys.executable, FSDP, "--convert", "checkpoints/epoch-2", "small/model.pt",
                "--width", "64", "--blocks", "2"]  # fmt: skip
-    on_a_small_disk = 'mount -t tmpfs -o size=64k tmpfs small && "$@"; rc=$?; ls -A small; exit $rc'
-    proc = subprocess.run(
-        [*private_mount_namespace(), "sh", "-c", on_a_small_disk, "sh", *map(str, convert)],
-        cwd=tmp_path, env=example_env(), capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert (proc.returncode, proc.stdout) == (2, ""), (proc.stdout, proc.stderr)  # nothing left
+    proc, kept = on_a_small_disk(convert, tmp_path, "small", "64k")
+    assert proc.returncode == 2 and not list(kept.iterdir()), (proc.stderr, list(kept.iterdir()))
     assert (
         proc.stderr.startswith(
             "fsdp_dcp.py: error: cannot write small/model.pt: no space left (the file system"

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import EXAMPLES, ROOT, Job, assert_row_1_named, copy_example, run
+from conftest import PBS_SCRIPTS, ROOT, Job, assert_row_1_named, copy_example, run
 
 pytestmark = pytest.mark.pbs
 
@@ -49,7 +49,6 @@ JOBS = {
         ),
     ),
 }
-PBS_SCRIPTS = sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*.pbs"))
 # Scripts with a test of their own below (arrays, chained jobs).
 OWN_TESTS = {"checkpointing/train_checkpoint.pbs", "arrays/sweep.pbs", "arrays/collect.pbs"}
 SINGLE_JOBS = [s for s in PBS_SCRIPTS if s not in OWN_TESTS]
@@ -88,13 +87,6 @@ def output_of(folder, name, job_id):
     """The job's output file, <name>.o<number> (-j oe: stderr merged into it)."""
     path = folder / f"{name}.o{job_id.split('.')[0]}"
     return path.read_text() if path.exists() else ""
-
-
-@pytest.fixture
-def complex_env(pbs_complex, job_env):
-    """The job scripts' environment (job_env), with PBS's commands first on PATH."""
-    env = pbs_complex[0]
-    return {**job_env, **env, "PATH": f"{env['PBS_EXEC']}/bin{os.pathsep}{job_env['PATH']}"}
 
 
 def test_every_pbs_job_script_has_a_test():

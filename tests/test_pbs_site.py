@@ -15,7 +15,7 @@ import pytest
 
 from conftest import (
     CENTRE_SITES,
-    EXAMPLES,
+    PBS_SCRIPTS,
     ROOT,
     TEST_SITES,
     VERSIONS,
@@ -27,16 +27,7 @@ from conftest import centre_edition as make_centre_edition
 
 pytestmark = pytest.mark.pbs
 
-PBS_SCRIPTS = sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*.pbs"))
 PBS_CENTRES = [name for name, path in CENTRE_SITES.items() if 'kind = "pbs"' in path.read_text()]
-
-
-@pytest.fixture
-def complex_env(pbs_complex, job_env):
-    """The job scripts' environment (job_env), with PBS's commands first on PATH (Grid
-    Engine's qsub and qstat are installed too)."""
-    env = pbs_complex[0]
-    return {**job_env, **env, "PATH": f"{env['PBS_EXEC']}/bin{os.pathsep}{job_env['PATH']}"}
 
 
 def test_site_check_runs_every_job_script_of_the_complex_and_records_it(complex_env, tmp_path):

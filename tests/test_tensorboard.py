@@ -6,7 +6,6 @@ The job script (tensorboard.sbatch) runs under the tests' Slurm cluster (test_sl
 import re
 import signal
 import socket
-import subprocess
 import sys
 import time
 
@@ -19,7 +18,7 @@ from conftest import (
     HAS_CUDA,
     epoch_losses,
     example_env,
-    private_mount_namespace,
+    on_a_small_disk,
     run,
 )
 
@@ -176,27 +175,20 @@ def test_a_checkpoint_of_other_options_is_refused(tmp_path):
 def test_a_full_disk_stops_the_save_in_one_line_and_keeps_the_checkpoint(tmp_path):
     """The output folder is a small tmpfs (in a private mount namespace): the first epoch's
     checkpoint (242 kB with torch 2.13) fits, the second's, written beside it, does not."""
-    (tmp_path / "out").mkdir()
-    (tmp_path / "kept").mkdir()
-    shell = 'mount -t tmpfs -o size=400k tmpfs out && "$@"; rc=$?; cp -a out/. kept/; exit $rc'
     command = [sys.executable, TRAIN, *TINY, "--epochs", "2", "--output-dir", "out"]
-    proc = subprocess.run(
-        [*private_mount_namespace(), "sh", "-c", shell, "sh", *map(str, command)],
-        cwd=tmp_path, env=example_env(), capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+    proc, kept = on_a_small_disk(command, tmp_path, "out", "400k")
     assert proc.returncode == 2 and "epoch 2: loss " in proc.stdout, (proc.stdout, proc.stderr)
     checkpoint = tmp_path / "out" / "checkpoints" / "local-seed0.pt"
-    line = re.fullmatch(
-        rf"train_tensorboard.py: error: cannot write {checkpoint}: (no space left \(.*?\)); "
-        r"(.*): free some space \(df -h, or your centre's quota command\) and run again\n",
+    path = re.escape(str(checkpoint))
+    assert re.fullmatch(
+        rf"train_tensorboard.py: error: cannot write {path}: no space left \(the file system"
+        rf"[^)]*\); {path} is intact: free some space \(df -h, or your centre's quota command\) "
+        r"and run again\n",
         proc.stderr,
-    )
-    assert line, proc.stderr
-    reason, kept = line.groups()
-    assert reason.startswith("no space left (the file system") and kept == f"{checkpoint} is intact"
-    left = sorted(p.name for p in (tmp_path / "kept" / "checkpoints").iterdir())
+    ), proc.stderr
+    left = sorted(p.name for p in (kept / "checkpoints").iterdir())
     assert left == ["local-seed0.pt"], left  # no .tmp file
-    state = torch.load(tmp_path / "kept" / "checkpoints" / "local-seed0.pt", weights_only=True)
+    state = torch.load(kept / "checkpoints" / "local-seed0.pt", weights_only=True)
     assert state["epoch"] == 1
 
 
