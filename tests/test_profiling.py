@@ -64,7 +64,13 @@ def test_one_process_prints_the_table_and_writes_one_trace(tmp_path):
     check_recorded(FOLDER / "profile_steps.out", shown, volatile=VOLATILE)
     assert "rank 0/1 on " in out and ": 5 steps of 8 images, recording ProfilerStep#2 to #4" in out
     rows = table_rows(out)
-    assert len(rows) == 10 and sum(name.startswith("aten::") for name in rows) >= 5, out
+    # Which rows make the top 10 depends on the machine's load (a busy machine's data loader
+    # waits longer); what kinds of row there are does not: operators, the script's ranges and
+    # PyTorch's own.
+    assert len(rows) == 10 and any(name.startswith("aten::") for name in rows), out
+    known = ("aten::", "autograd::", "enumerate(DataLoader)", "Optimizer.", "ProfilerStep*")
+    ranges = {"data", "forward", "backward", "optimizer"}
+    assert [n for n in rows if not n.startswith(known) and n not in ranges] == [], out
     assert "Self CPU time total: " in out and "by self_cpu_time_total" in out
     traces = list((tmp_path / "out" / "profile-local").iterdir())
     assert [t.name.split(".")[0] for t in traces] == ["rank0"], traces
