@@ -748,6 +748,17 @@ def test_a_pbs_centre_asks_for_gpus_by_its_resource_with_cores_and_memory_per_gp
     assert "#PBS -q" not in sweep and "queue of CPU jobs" not in sweep.split("set -e")[0], sweep
 
 
+def test_a_pbs_centre_that_charges_an_account_writes_a_in_its_directives(tmp_path):
+    """centres.md: NCAR Derecho and ALCF Polaris charge with -A (Account_Name), not -P: no
+    account and -A in directives gives every PBS job script -A and no -P."""
+    site = minimal(tmp_path, "pbs", **{"scheduler.directives": ["-A P12345678"]})
+    generate(load(site), tmp_path)
+    scripts = sorted((tmp_path / "examples").rglob("*.pbs"))
+    assert len(scripts) >= 6, scripts
+    for script in scripts:
+        lines = pbs_directives(script.read_text())
+        assert "-A P12345678" in lines and not any(line.startswith("-P") for line in lines), lines
+
 def test_the_tests_complex_edition_names_its_project_queue_and_directive(editions):
     _site, folder, _changed = editions["pbs"]
     text = (folder / "first-job/check_pytorch.pbs").read_text()

@@ -17,8 +17,8 @@ rows=$(($(wc -l < sweep.csv) - 1))   # rows without the header
 ((rows > 0)) || { echo "submit_sweep_pbs.sh: sweep.csv has no configuration" >&2; exit 1; }
 max=${MAX_RUNNING:-4}
 [[ $max =~ ^[1-9][0-9]*$ ]] || { echo "submit_sweep_pbs.sh: MAX_RUNNING=$max is not a whole number above 0" >&2; exit 1; }
-for arg in "$@"; do   # PBS passes them in ARGS, a comma-separated qsub -v list: no commas
-    [[ $arg != *,* ]] || { echo "submit_sweep_pbs.sh: an option with a comma cannot pass through qsub -v: $arg" >&2; exit 1; }
+for arg in "$@"; do   # PBS passes them in ARGS, quoted ('...') in the comma-separated qsub -v list
+    [[ $arg != *"'"* ]] || { echo "submit_sweep_pbs.sh: an option with a ' cannot pass through qsub -v: $arg" >&2; exit 1; }
 done
 
 # The sweep as submitted, read-only, in a new folder that the subjobs and the collecting job get.
@@ -30,9 +30,9 @@ chmod a-w "$sweep_dir/sweep.csv"
 # Indices 0 to rows-1. A range needs two numbers: one row is 0-1:2 (from 0 to 1 in steps of 2).
 range="0-$((rows - 1))%$max"
 ((rows > 1)) || range="0-1:2"
-array=$(qsub -J "$range" -v "SWEEP_DIR=$sweep_dir,ARGS=$*" sweep.pbs)
+array=$(qsub -J "$range" -v "SWEEP_DIR=$sweep_dir,ARGS='$*'" sweep.pbs)
 collect=$(qsub -W "depend=afterany:$array" -v "SWEEP_DIR=$sweep_dir" collect.pbs)
 echo "Submitted array job $array ($rows rows) and collect job $collect (after all end)"
 echo "Sweep and results in $sweep_dir; rerun row N there alone with -J N-<N+1>:2, e.g. row 2:"
-echo "    qsub -J 2-3:2 -v \"SWEEP_DIR=$sweep_dir,ARGS=$*\" sweep.pbs"
+echo "    qsub -J 2-3:2 -v \"SWEEP_DIR=$sweep_dir,ARGS='$*'\" sweep.pbs"
 echo "Watch them with: qstat -u \"\$USER\" -t"
