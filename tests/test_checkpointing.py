@@ -129,14 +129,27 @@ def test_without_a_usable_checkpoint_it_starts_from_scratch(tmp_path):
     assert names(tmp_path) == [checkpoint(6), checkpoint(8)]  # --keep 2; the .tmp is gone
 
 
-def test_resuming_with_other_options_is_refused(uninterrupted, tmp_path):
+@pytest.mark.parametrize(
+    ("args", "change"),
+    [
+        (["--batch-size", "64"], "--batch-size 32, this run has 64"),
+        (["--lr", "0.05"], "--lr 0.02, this run has 0.05"),  # else the old rate goes on unseen
+        (["--warmup-steps", "10", "--lr", "0.05"],
+         "--lr 0.02, this run has 0.05; --warmup-steps 50, this run has 10"),
+    ],
+    ids=["batch-size", "lr", "warmup-steps and lr"],
+)  # fmt: skip
+def test_resuming_with_other_options_is_refused(uninterrupted, tmp_path, args, change):
+    """A resubmission with another --lr (say) is another run: it names the option, the old and
+    the new value, and how to start that run; more --epochs resumes (the test above)."""
     seed_folder(tmp_path, uninterrupted, 8)
-    proc = train(tmp_path, "--epochs", "2", "--batch-size", "64", expect_rc=2)
-    assert proc.stderr.startswith(
-        f"train_checkpoint.py: error: checkpoints/{checkpoint(8)} was written with {{'seed': 0, "
-        "'batch_size': 32, 'samples': 256}, this run has {'seed': 0, 'batch_size': 64, "
+    proc = train(tmp_path, "--epochs", "3", *args, expect_rc=2)
+    assert proc.stderr == (
+        f"train_checkpoint.py: error: checkpoints/{checkpoint(8)} was written with {change}: "
+        "resume with the same options (only --epochs may grow), or start another run in another "
+        "--checkpoint-dir (RUN_NAME=<name> with the job scripts)\n"
     ), proc.stderr
-    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert proc.stdout == ""
 
 
 @pytest.mark.parametrize("script", [TRAIN, LIGHTNING], ids=lambda path: path.name)

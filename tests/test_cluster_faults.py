@@ -149,7 +149,8 @@ def test_a_second_run_on_the_same_folder_is_refused_while_the_first_runs(tmp_pat
         assert line == (
             f"train_checkpoint.py: error: shared is in use by job 1001, process {first.pid} on "
             f"{os.uname().nodename}: wait for that run to end (or cancel it), or give this one "
-            "another --checkpoint-dir"
+            "another --checkpoint-dir; if job 1001 is no longer running (squeue -j 1001 / qstat "
+            "1001), delete shared/.lock"
         )
         assert second.stdout == ""  # refused before it loaded or wrote anything
     finally:
@@ -186,8 +187,52 @@ def test_the_other_checkpointing_scripts_refuse_a_folder_another_process_holds(
         holder.stdout.close()
     line = one_line(proc.stderr, script.name)
     assert line.endswith(f"error: shared is in use by job 77, process 1 on n9: wait for that run "
-                         f"to end (or cancel it), or give this one another {option}")  # fmt: skip
+                         f"to end (or cancel it), or give this one another {option}; if job 77 "
+                         "is no longer running (squeue -j 77 / qstat 77), delete "
+                         "shared/.lock")  # fmt: skip
     assert sorted(path.name for path in folder.iterdir()) == [".lock"]  # nothing written
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "option"),
+    [
+        (TRAIN_CHECKPOINT, ["--batch-size", "32", "--epochs", "1"], "--checkpoint-dir"),
+        (PREEMPTIBLE, ["--epochs", "1"], "--checkpoint-dir"),
+        (DDP, [*DISTRIBUTED, "--epochs", "1"], "--output-dir"),
+        (FSDP, [*DISTRIBUTED, *FSDP_SMALL, "--epochs", "1"], "--output-dir"),
+    ],
+    ids=["train_checkpoint", "preemptible", "ddp_checkpoint", "fsdp_dcp"],
+)
+def test_a_lock_held_by_a_dead_nodes_job_is_named_with_the_lock_to_delete(
+    tmp_path, script, args, option
+):
+    """A crashed node's lock outlives its job (NFSv3 keeps it until the node reboots, Lustre and
+    GPFS for minutes): here a process that goes on holding .lock for job 4242, which no longer
+    runs. The refusal names the job and the file to delete; once it is deleted (the old holder
+    still holds the old file), the next run locks a new file and finishes."""
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    holder = holding(folder, "job 4242, process 1 on n9\n")
+    command = [sys.executable, script, *CPU, *args, option, "shared"]
+    env = example_env(SLURM_PROCID=0, SLURM_LOCALID=0, SLURM_NTASKS=1, MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=free_port(), OMP_NUM_THREADS=1, SLURM_JOB_ID="5151")  # fmt: skip
+    try:
+        proc = run(command, cwd=tmp_path, env=env, expect_rc=2)
+        line = one_line(proc.stderr, script.name)
+        assert line.endswith(
+            f"error: shared is in use by job 4242, process 1 on n9: wait for that run to end (or "
+            f"cancel it), or give this one another {option}; if job 4242 is no longer running "
+            "(squeue -j 4242 / qstat 4242), delete shared/.lock"
+        ), line
+        (folder / ".lock").unlink()  # what the line says to do
+        env["MASTER_PORT"] = str(free_port())
+        run(command, cwd=tmp_path, env=env)  # it locks a new .lock, and trains
+        assert holder.poll() is None  # the old holder still holds the old file
+        assert (folder / ".lock").read_text().startswith("job 5151, process ")
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
 
 
 def damaged_cifar(folder):
@@ -249,6 +294,32 @@ def test_a_shard_cut_short_is_named_before_training(tmp_path, shard_folder, cut)
         "tar file does): copy it again, or pack the dataset again with make_shards.py"
     )
     assert proc.stdout == ""  # not one image trained
+
+
+def test_a_shard_with_a_zero_filled_hole_is_named_not_trained_on_in_part(tmp_path, shard_folder):
+    """A shard still being written by a parallel transfer (Globus, rsync --preallocate) has
+    zero-filled, 512-byte-aligned regions, its tail written already: it passes the check at
+    start, and a tar stream stops quietly at the first zero block. The run must stop in one line
+    that names it, not train an epoch on the part before the hole."""
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for path in shard_folder.iterdir():
+        (shards / path.name).write_bytes(path.read_bytes())
+    victim = shards / "shard-000002.tar"
+    data = bytearray(victim.read_bytes())
+    with tarfile.open(victim) as tar:
+        members = tar.getmembers()
+    start, end = members[len(members) // 2].offset, members[len(members) // 2 + 2].offset
+    data[start:end] = bytes(end - start)  # headers' first bytes: 512-byte aligned
+    victim.write_bytes(data)
+    proc = run([sys.executable, SHARDS, "--data-dir", "shards", "--device", "cpu"], cwd=tmp_path,
+               expect_rc=2)  # fmt: skip
+    assert one_line(proc.stderr, "train_shards.py") == (
+        "train_shards.py: error: shard shards/shard-000002.tar is damaged (zero bytes from byte "
+        f"{start} on, then data again: a file still being written?): copy it again, or pack the "
+        "dataset again with make_shards.py"
+    )
+    assert "epoch 1" not in proc.stdout  # not an epoch on part of the data
 
 
 def test_a_shard_cut_short_while_it_is_read_is_named(shard_folder, tmp_path):

@@ -9,6 +9,8 @@ last --keep are kept. On start, the script resumes from the newest checkpoint in
 epoch comes from --seed and the epoch number, so a run resumed in the middle of an epoch goes
 on with exactly the batches it had not done. On CPU, a run that was killed and resumed ends
 with the same weights, bit for bit, as one that never stopped: compare the final digests.
+A resumed run must have the options of its checkpoint (more --epochs is fine): another --lr,
+say, is another run, refused in this folder.
 A file that is not a checkpoint of this script is skipped like a damaged one; a folder with a
 checkpoint's name is never written into or deleted. A loss that is not finite stops the run
 before it saves, so the newest checkpoint stays the last good one. A second run on the same
@@ -215,7 +217,9 @@ def ctrl_c_waits():
 
 def hold(folder):
     """Refuse a second run on folder (a resubmission while this one runs, array tasks that share
-    it): a lock on folder/.lock, which the system releases when this process ends, however."""
+    it): a lock on folder/.lock, which the system releases when this process ends, however.
+    A crashed node's lock can outlive its job: the refusal says when to delete .lock, and the
+    next run locks the new file at that name. No run deletes .lock itself."""
     lock = open(folder / ".lock", "a+")  # noqa: SIM115  held open until the process ends
     atexit.register(lock.close)  # keeps it open, and the lock held, until the process exits
     try:
@@ -227,8 +231,18 @@ def hold(folder):
             return
         lock.seek(0)
         holder = lock.read().strip() or "another process"
+        job = holder.split(",")[0].removeprefix("job ") if holder.startswith("job ") else None
+        gone = (f"job {job} is no longer running (squeue -j {job} / qstat {job})" if job
+                else "that process is no longer running")  # fmt: skip
         fail(f"{folder} is in use by {holder}: wait for that run to end (or cancel it), or give "
-             "this one another --checkpoint-dir")  # fmt: skip
+             f"this one another --checkpoint-dir; if {gone}, delete {folder}/.lock")  # fmt: skip
+    try:
+        same = os.path.samestat(os.fstat(lock.fileno()), os.stat(folder / ".lock"))
+    except FileNotFoundError:
+        same = False
+    if not same:  # .lock was deleted (a stale lock) since this run opened it: lock the new one
+        lock.close()
+        return hold(folder)
     job = os.environ.get("SLURM_JOB_ID") or os.environ.get("JOB_ID") or os.environ.get("PBS_JOBID")
     lock.truncate(0)
     lock.write(f"{f'job {job}, ' if job else ''}process {os.getpid()} on {os.uname().nodename}\n")
@@ -297,6 +311,26 @@ def mismatch(state, model):
     return None
 
 
+def signature(model):
+    """The model's parameter and buffer names and shapes: a resumed run must have the same."""
+    return [f"{name} {list(tensor.shape)}" for name, tensor in model.state_dict().items()]
+
+
+def changes(saved, config):
+    """What this run changes in the options a checkpoint was written with, in words."""
+    said = []
+    for key, value in config.items():
+        if saved.get(key) == value:
+            continue
+        if key == "model":
+            said.append("another model (make_model() was changed)")
+        elif key == "samples":
+            said.append(f"{saved.get(key)} images, this run has {value}")
+        else:
+            said.append(f"--{key.replace('_', '-')} {saved.get(key)}, this run has {value}")
+    return "; ".join(said)
+
+
 def load_checkpoint(folder, model):
     """(path, state) of the newest checkpoint that loads and fits model, or (None, None); and
     those skipped, with the reason."""
@@ -329,7 +363,7 @@ def full_state(model, optimizer, scheduler, epoch, step, totals, config, device)
         "epoch": epoch,  # the epoch under way, from 0
         "step": step,  # batches of it already done
         "totals": totals,  # loss sum and images of those batches
-        "config": config,  # the options that fix the data order
+        "config": config,  # the options a resumed run must keep
         "rng": {
             "torch": torch.get_rng_state(),  # dropout, and anything else random on the CPU
             "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
@@ -382,7 +416,10 @@ def main(argv=None):
     )  # stepped after every batch
     epoch, step = 0, 0  # step: batches of the epoch already done
     totals = torch.zeros(2, dtype=torch.float64)  # their loss sum and images
-    config = {"seed": args.seed, "batch_size": args.batch_size, "samples": len(dataset)}
+    # What a resumed run must keep (--epochs may grow): another --lr is another run.
+    config = {"seed": args.seed, "batch_size": args.batch_size, "samples": len(dataset),
+              "lr": args.lr, "warmup_steps": args.warmup_steps,
+              "model": signature(model)}  # fmt: skip
 
     hold(args.checkpoint_dir)
     for leftover in args.checkpoint_dir.glob("checkpoint-*.pt.tmp"):
@@ -390,9 +427,10 @@ def main(argv=None):
             leftover.unlink()  # a write that was interrupted
     path, state, skipped = load_checkpoint(args.checkpoint_dir, model)
     if state is not None:
-        if state["config"] != config:
-            fail(f"{path} was written with {state['config']}, this run has {config}: resume "
-                 "with the same options, or start again in a new --checkpoint-dir")  # fmt: skip
+        if changed := changes(state["config"], config):
+            fail(f"{path} was written with {changed}: resume with the same options (only "
+                 "--epochs may grow), or start another run in another --checkpoint-dir "
+                 "(RUN_NAME=<name> with the job scripts)")  # fmt: skip
         epoch, step, totals = restore(state, model, optimizer, scheduler, device)
     done, total = epoch * steps_per_epoch + step, args.epochs * steps_per_epoch
     saves = {f"checkpoint-{n:08d}.pt" for n in range(done + 1, total + 1)

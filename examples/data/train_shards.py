@@ -5,8 +5,8 @@ DataLoader worker its own share of those, one file after another from start to e
 large sequential reads instead of one open per image. A shuffle buffer mixes the samples of
 the shards it is reading. Read the shards from node-local disk where the job has one (see
 train_shards.sbatch, which copies them there first). A shard cut short (an interrupted copy, a
-full disk when it was written) stops the run in one line that names it, before any training and
-while reading: no epoch trains on part of the data unnoticed.
+full disk when it was written) or with a zero-filled hole (a copy still being written) stops the
+run in one line that names it, before any training or while reading.
 
     python train_shards.py --data-dir shards
     torchrun --standalone --nproc-per-node=2 train_shards.py --data-dir shards
@@ -190,6 +190,16 @@ def list_shards(data_dir):
     return shards
 
 
+def zeros_to_end(path, offset):
+    """Whether path holds only zero bytes from offset to its end, as a tar's last record does."""
+    with open(path, "rb") as file:
+        file.seek(offset)
+        while chunk := file.read(1 << 20):
+            if chunk.count(0) != len(chunk):
+                return False
+    return True
+
+
 def damaged(path, why):
     return (f"shard {path} is damaged ({why}): copy it again, or pack the dataset again "
             "with make_shards.py")  # fmt: skip
@@ -234,9 +244,13 @@ class ShardDataset(torch.utils.data.IterableDataset):
                             parts = {}
                         parts["key"] = key
                         parts[ext] = tar.extractfile(member).read()  # ReadError if cut
-                    # A stream ends quietly where the data does: check it reached the end.
+                    # A stream ends quietly where the data does, or at a zero block: check it
+                    # reached the end, and that only zeros follow (no hole of a copy under way).
                     if tar.offset + 1024 > path.stat().st_size:
                         raise DamagedShard(damaged(path, "it ends before the end of the archive"))
+                    if not zeros_to_end(path, tar.offset):
+                        hole = f"zero bytes from byte {tar.offset} on, then data again"
+                        raise DamagedShard(damaged(path, f"{hole}: a file still being written?"))
             except tarfile.TarError as error:
                 raise DamagedShard(damaged(path, str(error))) from None
             if parts:

@@ -351,7 +351,9 @@ def fsync_folder(path):
 
 def hold(folder):
     """Rank 0: lock folder/.lock, which the system releases when this process ends, however; why
-    this run cannot start, or None: a second run on one folder is refused, not mixed in."""
+    this run cannot start, or None: a second run on one folder is refused, not mixed in. A
+    crashed node's lock can outlive its job: the refusal says when to delete .lock, and the next
+    run locks the new file at that name. No run deletes .lock itself."""
     folder.mkdir(parents=True, exist_ok=True)
     lock = open(folder / ".lock", "a+")  # noqa: SIM115  held open until the process ends
     atexit.register(lock.close)  # keeps it open, and the lock held, until the process exits
@@ -364,8 +366,19 @@ def hold(folder):
             return None
         lock.seek(0)
         holder = lock.read().strip() or "another process"
-        return (f"{folder} is in use by {holder}: wait for that run to end (or cancel "
-                      "it), or give this one another --output-dir")  # fmt: skip
+        job = holder.split(",")[0].removeprefix("job ") if holder.startswith("job ") else None
+        gone = (f"job {job} is no longer running (squeue -j {job} / qstat {job})" if job
+                else "that process is no longer running")  # fmt: skip
+        return (f"{folder} is in use by {holder}: wait for that run to end (or cancel it), or "
+                f"give this one another --output-dir; if {gone}, delete "
+                f"{folder}/.lock")  # fmt: skip
+    try:
+        same = os.path.samestat(os.fstat(lock.fileno()), os.stat(folder / ".lock"))
+    except FileNotFoundError:
+        same = False
+    if not same:  # .lock was deleted (a stale lock) since this run opened it: lock the new one
+        lock.close()
+        return hold(folder)
     job = os.environ.get("SLURM_JOB_ID") or os.environ.get("JOB_ID") or os.environ.get("PBS_JOBID")
     lock.truncate(0)
     lock.write(f"{f'job {job}, ' if job else ''}process {os.getpid()} on {os.uname().nodename}\n")

@@ -156,7 +156,9 @@ def ignore_sigterm(worker_id):
 
 def hold(folder):
     """Refuse a second run on folder (a resubmission while this one runs, array tasks that share
-    it): a lock on folder/.lock, which the system releases when this process ends, however."""
+    it): a lock on folder/.lock, which the system releases when this process ends, however.
+    A crashed node's lock can outlive its job: the refusal says when to delete .lock, and the
+    next run locks the new file at that name. No run deletes .lock itself."""
     lock = open(folder / ".lock", "a+")  # noqa: SIM115  held open until the process ends
     atexit.register(lock.close)  # keeps it open, and the lock held, until the process exits
     try:
@@ -168,8 +170,18 @@ def hold(folder):
             return
         lock.seek(0)
         holder = lock.read().strip() or "another process"
+        job = holder.split(",")[0].removeprefix("job ") if holder.startswith("job ") else None
+        gone = (f"job {job} is no longer running (squeue -j {job} / qstat {job})" if job
+                else "that process is no longer running")  # fmt: skip
         fail(f"{folder} is in use by {holder}: wait for that run to end (or cancel it), or give "
-             "this one another --checkpoint-dir")  # fmt: skip
+             f"this one another --checkpoint-dir; if {gone}, delete {folder}/.lock")  # fmt: skip
+    try:
+        same = os.path.samestat(os.fstat(lock.fileno()), os.stat(folder / ".lock"))
+    except FileNotFoundError:
+        same = False
+    if not same:  # .lock was deleted (a stale lock) since this run opened it: lock the new one
+        lock.close()
+        return hold(folder)
     job = os.environ.get("SLURM_JOB_ID") or os.environ.get("JOB_ID") or os.environ.get("PBS_JOBID")
     lock.truncate(0)
     lock.write(f"{f'job {job}, ' if job else ''}process {os.getpid()} on {os.uname().nodename}\n")
