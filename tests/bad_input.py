@@ -1,14 +1,13 @@
 """Run one example script many times in one process with bad input, and report what it did.
 
-Used by tests/test_bad_input.py: `python tests/bad_input.py args|env|gpus SCRIPT...` prints
-a JSON object that gives, for each script, its list of cases (each with the command line or
-environment tried, the exit code, and what the script printed) or the error that stopped the
-harness. A script
-runs its own code (runpy, as `python SCRIPT` would) in a process forked for it from this one,
-which imported torch before the first: the suite pays for `import torch` once per mode, not once
-per case or per script, and each script still starts from a clean process. With one script, it
-runs in the working folder; with several, script N runs in the folder named N there, which the
-caller made.
+Used by tests/test_bad_input.py: `python tests/bad_input.py args|env|gpus|container SCRIPT...`
+prints a JSON object that gives, for each script, its list of cases (each with the command line
+or environment tried, the exit code, and what the script printed) or the error that stopped the
+harness. A script runs its own code (runpy, as `python SCRIPT` would) in a process forked for it
+from this one, which imported torch before the first: the suite pays for `import torch` once per
+mode, not once per case or per script, and each script still starts from a clean process. With
+one script, it runs in the working folder; with several, script N runs in the folder named N
+there, which the caller made.
 
 - `args`: every option of the script's own parser, found by asking argparse, gets values it must
   refuse: an integer option 0 (unless 0 means something, ZERO_OK) and -1; a number option -1 and
@@ -20,6 +19,9 @@ caller made.
   that gets there is "accepted".
 - `gpus`: every script with `--device auto` runs in a job given GPUs, then with `--device cuda`;
   the caller runs the harness where a GPU device file exists (tests/test_bad_input.py).
+- `container`: every script with `--device auto` runs in a job given GPUs inside a container
+  started without GPU support (APPTAINER_CONTAINER set, no GPU device file: the caller runs the
+  harness where none exists).
 """
 
 import argparse
@@ -49,6 +51,8 @@ GRIDENGINE = {"NSLOTS": "1", "SGE_TASK_ID": "1", "JOB_ID": "4242"}
 NUMERIC_VARIABLES = [name for name in (*TORCHRUN, *SRUN, *GRIDENGINE)
                      if name not in ("MASTER_ADDR", "SLURM_JOB_ID", "JOB_ID")]  # fmt: skip
 NUMERIC_VARIABLES = list(dict.fromkeys(NUMERIC_VARIABLES))
+# Variables by which a process knows it runs in a container (Apptainer/Singularity, Podman).
+CONTAINER_VARIABLES = ("APPTAINER_CONTAINER", "SINGULARITY_CONTAINER", "container")
 A_FILE = Path("a-file")  # a regular file in the working folder: nothing can be created under it
 BAD_PATH = str(A_FILE / "sub")
 
@@ -248,10 +252,11 @@ DEVICE_SETUP = {
 }
 
 
-def gpu_cases(script):
+def gpu_cases(script, container=False):
     """--device auto in a job given GPUs (SLURM_JOB_GPUS=0) on a node with a GPU device file (the
     caller runs the harness where /dev/nvidia0 exists), then --device cuda: where PyTorch can use
-    no GPU, each must stop in one line before any work starts."""
+    no GPU, each must stop in one line before any work starts. With container, --device auto
+    only, in a container without GPU support (Apptainer without --nv: no device file)."""
     parser = find_parser(script)
     table = options(parser)
     setup = DEVICE_SETUP.get(Path(script).name, {})
@@ -266,10 +271,12 @@ def gpu_cases(script):
         Path(name).write_bytes(source.read_bytes() if source.is_file() else empty)
     choices = next(a.choices for a in parser._actions if "--device" in a.option_strings)
     stop_at_the_work()
-    clean = {k: v for k, v in os.environ.items()
-             if not k.startswith(("SLURM_", "SGE_")) and k != "CUDA_VISIBLE_DEVICES"}  # fmt: skip
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SGE_", "PBS_"))
+             and k not in ("CUDA_VISIBLE_DEVICES", "JOB_GPUS", *CONTAINER_VARIABLES)}  # fmt: skip
     cases = []
     tries = [("auto", {"SLURM_JOB_GPUS": "0"}), ("cuda", {})]
+    if container:
+        tries = [("auto", {"SLURM_JOB_GPUS": "0", "APPTAINER_CONTAINER": "/images/pytorch.sif"})]
     for device, given in [(device, given) for device, given in tries if device in choices]:
         os.environ.clear()
         os.environ.update({**clean, **TORCHRUN, **setup.get("env", {}), **given})
@@ -281,6 +288,8 @@ def gpu_cases(script):
 
 def cases_of(script, mode):
     A_FILE.write_text("not a folder\n")
+    if mode == "container":
+        return gpu_cases(script, container=True)
     return {"args": args_cases, "env": env_cases, "gpus": gpu_cases}[mode](script)
 
 
@@ -319,8 +328,8 @@ def describe(status):
 def main():
     mode, names = sys.argv[1], sys.argv[2:]
     scripts = [Path(name).resolve() for name in names]
-    if mode not in ("args", "env", "gpus") or not scripts:
-        raise SystemExit("usage: bad_input.py args|env|gpus SCRIPT...")
+    if mode not in ("args", "env", "gpus", "container") or not scripts:
+        raise SystemExit("usage: bad_input.py args|env|gpus|container SCRIPT...")
     import torch  # noqa: F401, PLC0415 (once here, for every forked child)
     import torch.distributed  # noqa: F401, PLC0415
 

@@ -119,6 +119,7 @@ def example_env(**extra):
             "CUDA_VISIBLE_DEVICES",
             "NSLOTS",
             "NCPUS",
+            "JOB_GPUS",
         ):
             del env[name]
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
@@ -389,8 +390,8 @@ def path_without(command, path):
 # A GPU node as the scripts see it, for a command: in a private mount namespace, /dev is a
 # folder that holds the real null, zero, full, random, urandom and shm, and an empty nvidia0.
 GPU_NODE = """set -e
-dev=$1
-shift
+dev=$1 devices=$2
+shift 2
 for name in null zero full random urandom; do
     : > "$dev/$name"
     mount --bind "/dev/$name" "$dev/$name"
@@ -398,7 +399,9 @@ done
 mkdir "$dev/shm"
 mount --bind /dev/shm "$dev/shm"
 ln -s /proc/self/fd "$dev/fd"
-: > "$dev/nvidia0"
+for name in $devices; do
+    : > "$dev/$name"
+done
 mount --rbind "$dev" /dev
 exec "$@"
 """
@@ -442,16 +445,17 @@ def on_a_small_disk(command, cwd, folder, size, timeout=120):
     return proc, kept
 
 
-def on_a_gpu_node(command, folder):
-    """command, run where /dev/nvidia0 exists and no GPU is behind it (a node whose driver or
-    PyTorch build cannot serve it); skips, saying why, where no mount namespace can be made or
-    where PyTorch can use a real GPU."""
+def on_a_gpu_node(command, folder, devices=("nvidia0",)):
+    """command, run where /dev/nvidia0 (or the other devices: "kfd" for an AMD node) exists and
+    no GPU is behind it (a node whose driver or PyTorch build cannot serve it); skips, saying
+    why, where no mount namespace can be made or where PyTorch can use a real GPU."""
     if HAS_CUDA:
         pytest.skip("PyTorch can use a GPU here: the stand-in GPU node needs one where it cannot")
     unshare = private_mount_namespace()
     dev = folder / "dev"
     dev.mkdir()
-    return [*unshare, "sh", "-c", GPU_NODE, "sh", str(dev), *(str(part) for part in command)]
+    node = [*unshare, "sh", "-c", GPU_NODE, "sh", str(dev), " ".join(devices)]
+    return [*node, *(str(part) for part in command)]
 
 
 def require_command(name, how):
@@ -845,3 +849,13 @@ HOROVOD_WHEELS = (
     CACHE / "horovod"
     / f"{CACHE_KEY}-script{hashlib.sha256(HOROVOD_INSTALL.read_bytes()).hexdigest()[:12]}"
 )  # fmt: skip
+
+
+def page_python_block(page, marker):
+    """The code of the one ```python block of source/<page> that contains marker, as the page
+    has it now: a test that runs it tests what readers copy, not a copy of it."""
+    text = (SOURCE / page).read_text(encoding="utf-8")
+    blocks = [block for block in re.findall(r"^```python\n(.*?)^```", text, re.M | re.S)
+              if marker in block]  # fmt: skip
+    assert len(blocks) == 1, f"{page}: {len(blocks)} ```python blocks contain {marker!r}"
+    return blocks[0]

@@ -21,7 +21,16 @@ import pytest
 import records
 from bad_input import NUMERIC_VARIABLES, named_variables
 
-from conftest import EXAMPLES, TESTS, TORCHRUN, example_env, free_port, on_a_gpu_node, run
+from conftest import (
+    EXAMPLES,
+    HAS_CUDA,
+    TESTS,
+    TORCHRUN,
+    example_env,
+    free_port,
+    on_a_gpu_node,
+    run,
+)
 
 SCRIPTS = sorted(EXAMPLES.rglob("*.py"))
 IDS = [str(path.relative_to(EXAMPLES)) for path in SCRIPTS]
@@ -72,7 +81,8 @@ def harnessed(tmp_path_factory):
 
     def cases(mode, script):
         if mode not in runs:
-            scripts = {"args": SCRIPTS, "env": ENV_SCRIPTS, "gpus": GPU_SCRIPTS}[mode]
+            scripts = {"args": SCRIPTS, "env": ENV_SCRIPTS, "gpus": GPU_SCRIPTS,
+                       "container": AUTO_SCRIPTS}[mode]  # fmt: skip
             runs[mode] = harness(tmp_path_factory.mktemp(f"bad-{mode}"), mode, scripts)
         result = runs[mode][script]
         records.credit([script.relative_to(EXAMPLES).as_posix()])  # its cases, judged here
@@ -163,6 +173,34 @@ def test_a_job_given_gpus_that_pytorch_cannot_use_stops_in_one_line(harnessed, s
     for case in cases:
         name = "SLURM_JOB_GPUS=0" if case["device"] == "auto" else "GPU"
         case["problems"] = problems_of(case, name, lambda code: isinstance(code, int) and code != 0)
+    assert not any(case["problems"] for case in cases), report(script, cases, "device")
+
+
+# Scripts whose --device auto takes the GPU where PyTorch can use one.
+AUTO_SCRIPTS = [path for path in GPU_SCRIPTS
+                if re.search(r'"--device".*choices=\[[^]]*"auto"', path.read_text(encoding="utf-8"),
+                             re.DOTALL)]  # fmt: skip
+
+
+ON_A_GPU_NODE = HAS_CUDA or any(Path("/dev").glob("nvidia[0-9]*")) or Path("/dev/kfd").exists()
+
+
+@pytest.mark.skipif(ON_A_GPU_NODE, reason="needs a machine without GPU device files, as a "
+                    "container without GPU support is")  # fmt: skip
+@pytest.mark.parametrize(
+    "script", AUTO_SCRIPTS, ids=[str(p.relative_to(EXAMPLES)) for p in AUTO_SCRIPTS]
+)
+def test_a_container_without_gpu_support_in_a_job_given_gpus_stops_in_one_line(harnessed, script):
+    """A job given GPUs (SLURM_JOB_GPUS=0) that starts a container without GPU support
+    (apptainer without --nv: APPTAINER_CONTAINER set, no /dev/nvidia*): --device auto ends in
+    one line that names the variable and --nv, exits non-zero, never trains on the CPU."""
+    cases = harnessed("container", script)
+    assert [case["device"] for case in cases] == ["auto"], cases
+    for case in cases:
+        failed = lambda code: isinstance(code, int) and code != 0  # noqa: E731
+        case["problems"] = problems_of(case, "SLURM_JOB_GPUS=0", failed)
+        if not case["problems"] and "--nv" not in case["stderr"]:
+            case["problems"] = ["its error line does not say to start the container with --nv"]
     assert not any(case["problems"] for case in cases), report(script, cases, "device")
 
 

@@ -165,8 +165,8 @@ def test_cuda_without_a_gpu_says_how_to_request_one(tmp_path):
     proc = run([sys.executable, TRAIN, "--device", "cuda", "--fake-data"], cwd=tmp_path,
                env=ENV, expect_rc=2)  # fmt: skip
     assert proc.stderr == (
-        "train_checkpoint.py: error: --device cuda but no GPU is visible: request one with "
-        "#SBATCH --gpus-per-node=1\n"
+        "train_checkpoint.py: error: --device cuda but no GPU is visible: request one (Slurm: "
+        "--gpus-per-node=1, PBS: -l select=1:ncpus=4:ngpus=1, Grid Engine: -l gpu=1)\n"
     )
 
 

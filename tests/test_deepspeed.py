@@ -313,8 +313,8 @@ def test_cuda_without_a_gpu_says_how_to_request_one(tmp_path):
     args = ["--config", ZERO3, "--device", "cuda"]
     proc = run([sys.executable, TRAIN, *args], cwd=tmp_path, env=launched(), expect_rc=2)
     assert proc.stderr == (
-        "deepspeed_train.py: error: --device cuda but no GPU is visible: request GPUs with "
-        "#SBATCH --gpus-per-node=2\n"
+        "deepspeed_train.py: error: --device cuda but no GPU is visible: request GPUs (Slurm: "
+        "--gpus-per-node=2, PBS: -l select=1:ncpus=4:ngpus=2, Grid Engine: -l gpu=2)\n"
     )
 
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import EXAMPLES, copy_example, example_env, run
+from conftest import EXAMPLES, copy_example, example_env, page_python_block, run
 
 SBATCH = EXAMPLES / "first-job" / "check_pytorch.sbatch"
 QSUB = EXAMPLES / "first-job" / "check_pytorch.qsub"
@@ -103,6 +103,69 @@ def test_job_script_on_the_gpu(tmp_path, job_env, script):
     argv, extra = command(script, "--device", "cuda")
     out = run(argv, cwd=tmp_path, env={**scheduler_env(script, tmp_path, job_env), **extra}).stdout
     assert "works on cuda" in out and "WARNING" not in out
+
+
+# The stop rule typed into first-job.md, run as the page has it on each branch a reader's
+# machine can take; the CPU test machine takes only the last one by itself.
+STOP_RULE = ("getting-started/first-job.md", "raise SystemExit(")
+GPU_VARIABLES = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SLURM_STEP_ID", "SGE_HGR_gpu", "PBS_NGPUS",
+                 "JOB_GPUS", "CUDA_VISIBLE_DEVICES")  # fmt: skip
+
+
+def run_stop_rule(monkeypatch, cuda, **variables):
+    """Run the page's block with torch.cuda.is_available() == cuda and only these scheduler
+    variables; tensors are made on the CPU (this torch may have no CUDA): the device the block
+    chose, and what it printed."""
+    import torch  # noqa: PLC0415 (only these tests need it)
+
+    for name in GPU_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    chosen = []
+    real_ones = torch.ones
+
+    def ones(*size, device=None, **kwargs):
+        chosen.append(str(device))
+        return real_ones(*size, **kwargs)
+
+    monkeypatch.setattr(torch, "ones", ones)
+    code = compile(page_python_block(*STOP_RULE), STOP_RULE[0], "exec")
+    exec(code, {"__name__": "__main__"})  # noqa: S102 (the page's own code)
+    return chosen
+
+
+@pytest.mark.parametrize("variables", [
+    {}, {"SLURM_JOB_GPUS": "0"}, {"CUDA_VISIBLE_DEVICES": "0"}, {"JOB_GPUS": "1"},
+    {"SLURM_STEP_ID": "0"},
+], ids=str)  # fmt: skip
+def test_the_typed_stop_rule_takes_a_working_gpu(monkeypatch, capsys, variables):
+    """Where PyTorch can use a GPU, the block takes it, whatever the variables say (none at all:
+    a workstation, a PBS job, a Slurm partition without GRES)."""
+    assert run_stop_rule(monkeypatch, True, **variables) == ["cuda"]
+    assert capsys.readouterr().out == "8.0\n"
+
+
+@pytest.mark.parametrize("variables", [
+    {"SLURM_JOB_GPUS": "0"}, {"SLURM_STEP_GPUS": "0,1", "SLURM_STEP_ID": "0"},
+    {"SGE_HGR_gpu": "0 1"}, {"PBS_NGPUS": "1"}, {"JOB_GPUS": "2"},
+], ids=str)  # fmt: skip
+def test_the_typed_stop_rule_stops_a_job_given_gpus_it_cannot_use(monkeypatch, variables):
+    with pytest.raises(SystemExit) as stop:
+        run_stop_rule(monkeypatch, False, **variables)
+    message = str(stop.value.code)
+    assert "\n" not in message and f"({next(iter(variables))})" in message, message  # the first
+    assert "PyTorch can use none" in message
+
+
+@pytest.mark.parametrize("variables", [
+    {}, {"JOB_GPUS": "0"}, {"PBS_NGPUS": "0"}, {"SLURM_JOB_GPUS": ""},
+    {"SLURM_STEP_ID": "1", "SLURM_JOB_GPUS": "0"},  # a step without GPUs in a job with some
+], ids=str)  # fmt: skip
+def test_the_typed_stop_rule_takes_the_cpu_where_no_gpu_was_given(monkeypatch, capsys, variables):
+    assert run_stop_rule(monkeypatch, False, **variables) == ["cpu"]
+    assert capsys.readouterr().out == "8.0\n"
 
 
 DISTRIBUTED = EXAMPLES / "first-job" / "check_distributed.py"

@@ -15,6 +15,8 @@ from conftest import (
     example_env,
     gpus_used,
     load_example,
+    on_a_gpu_node,
+    page_python_block,
     run,
 )
 
@@ -100,6 +102,19 @@ def test_gpu_requests_are_counted_from_scheduler_variables(monkeypatch, variable
     assert check.gpu_request() == (f"{variable}={value}" if gpus else None)
 
 
+def test_the_typed_arch_check_on_gpus(monkeypatch, capsys):
+    """install.md's arch check, as the page has it, on two stand-in GPUs: this CPU machine's
+    torch has none, so the loop that a reader's GPU node runs never runs here by itself."""
+    gpus = [("NVIDIA H100 80GB HBM3", (9, 0)), ("NVIDIA B200", (10, 0))]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(gpus))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: gpus[index][1])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: gpus[index][0])
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_80", "sm_90"])
+    code = page_python_block("getting-started/install.md", "get_arch_list")
+    exec(compile(code, "install.md", "exec"), {"__name__": "__main__"})  # noqa: S102
+    assert capsys.readouterr().out == "NVIDIA H100 80GB HBM3 sm_90 True\nNVIDIA B200 sm_100 False\n"
+
+
 # check_pytorch.py run on this CPU torch made to look like another build.
 AS_BUILD = """
 import runpy, sys, torch
@@ -144,6 +159,75 @@ def test_a_rocm_build_is_not_called_cpu_only(tmp_path):
     assert "CUDA build:      none: a ROCm build, HIP 6.4.43482 (AMD GPUs)" in out
     assert "CPU-only" not in out and "NVIDIA driver" not in out
     assert "PyTorch sees none: check HIP_VISIBLE_DEVICES" in out
+
+
+def on_node(tmp_path, devices, cuda, hip, *args, expect_rc=0, **variables):
+    """as_build, run where the device files exist (stand-ins, no GPU behind them)."""
+    (tmp_path / "as_build.py").write_text(AS_BUILD)
+    env = example_env(**variables)
+    env["PATH"] = f"{TESTS / 'standins'}:{env['PATH']}"  # nvidia-smi
+    command = [sys.executable, "as_build.py", cuda, hip, CHECK, "--size", "32", *args]
+    node = tmp_path / f"node-{len(list(tmp_path.glob('node-*')))}"  # its own /dev
+    node.mkdir()
+    return run(on_a_gpu_node(command, node, devices), cwd=tmp_path, env=env,
+               expect_rc=expect_rc)  # fmt: skip
+
+
+def one_error(proc, *parts):
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert all(part in lines[0] for part in parts), lines[0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="shows the outcome without a GPU")
+def test_a_pbs_job_given_a_gpu_that_pytorch_cannot_use_stops(tmp_path):
+    """PBS sets no GPU variable by default: check_pytorch.pbs exports the request as JOB_GPUS.
+    On a GPU node the check stops on it; where no GPU device exists (the tests' complex) it
+    warns and runs on the CPU."""
+    pbs = {"PBS_JOBID": "12.pbs-n1", "NCPUS": "2", "JOB_GPUS": "1"}
+    one_error(on_node(tmp_path, ["nvidia0"], "", "", expect_rc=2, **pbs),
+              "the scheduler gave this job GPUs (JOB_GPUS=1)", "CPU-only build")  # fmt: skip
+    one_error(on_node(tmp_path, ["nvidia0"], "", "", expect_rc=2, PBS_NGPUS="1"),
+              "(PBS_NGPUS=1)")  # fmt: skip
+    out = run([sys.executable, CHECK, "--size", "32"], cwd=tmp_path, env=example_env(**pbs)).stdout
+    assert "GPUs requested:  JOB_GPUS=1" in out
+    assert "WARNING: the scheduler gave this job GPUs (JOB_GPUS=1) but PyTorch sees none" in out
+    assert "works on cpu" in out
+    out = run([sys.executable, CHECK, "--size", "32"], cwd=tmp_path,
+              env=example_env(**{**pbs, "JOB_GPUS": "0"})).stdout  # fmt: skip
+    assert "GPUs requested" not in out and "WARNING" not in out and "works on cpu" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="shows the outcome without a GPU")
+def test_a_build_for_the_other_vendor_is_named(tmp_path):
+    """A CUDA wheel on an AMD node (/dev/kfd, no /dev/nvidia*): install a ROCm build, not
+    "check CUDA_VISIBLE_DEVICES"; a ROCm build on an NVIDIA node likewise."""
+    proc = on_node(tmp_path, ["kfd"], "13.0", "", expect_rc=2, SLURM_JOB_GPUS="0")
+    one_error(proc, "(SLURM_JOB_GPUS=0)", "this node has AMD GPUs and this PyTorch is a CUDA "
+              "build: install a ROCm build")  # fmt: skip
+    assert "CUDA_VISIBLE_DEVICES" not in proc.stderr
+    proc = on_node(tmp_path, ["nvidia0"], "", "6.4.43482", expect_rc=2, SLURM_JOB_GPUS="0")
+    one_error(proc, "this node has NVIDIA GPUs and this PyTorch is a ROCm build: install a CUDA "
+              "build")  # fmt: skip
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="shows the outcome without a GPU")
+def test_an_srun_step_without_gpus_in_a_job_with_some_runs_on_the_cpu(tmp_path):
+    """What Slurm 22.05 sets in `srun --gpus-per-node=0` inside a job given a GPU (seen on the
+    tests' cluster): the job's SLURM_JOB_GPUS and SLURM_GPUS_PER_NODE, copied into the step,
+    and no SLURM_STEP_GPUS. On a GPU node (its cgroup hides the GPUs) the step is not stopped;
+    a step given GPUs is."""
+    step = {"SLURM_STEP_ID": "2", "SLURM_JOB_GPUS": "0", "SLURM_GPUS_PER_NODE": "1"}
+    out = on_node(tmp_path, ["nvidia0"], "", "", **step).stdout
+    assert "GPUs requested" not in out and "WARNING" not in out and "works on cpu" in out
+    proc = on_node(tmp_path, ["nvidia0"], "", "", expect_rc=2, SLURM_STEP_GPUS="0",
+                   SLURM_GPUS_ON_NODE="1", **step)  # fmt: skip
+    one_error(proc, "(SLURM_STEP_GPUS=0)")
+    cnn = [sys.executable, EXAMPLES / "one-gpu" / "cnn_gpu.py", "--fake-data", "--fake-size",
+           "32", "--epochs", "1", "--batch-size", "16", "--num-workers", "0"]  # fmt: skip
+    (tmp_path / "cnn").mkdir()
+    proc = run(on_a_gpu_node(cnn, tmp_path / "cnn"), cwd=tmp_path / "cnn", env=example_env(**step))
+    assert "Traceback" not in proc.stderr and "error" not in proc.stderr, proc.stderr
 
 
 def test_check_pytorch_without_torch_says_what_to_do(tmp_path):

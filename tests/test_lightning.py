@@ -220,8 +220,8 @@ def test_without_a_gpu_it_says_how_to_request_one(tmp_path):
     proc = run([sys.executable, TRAIN, "--device", "cuda", "--fake-data"], cwd=tmp_path,
                expect_rc=2)  # fmt: skip
     assert proc.stderr == (
-        "lightning_train.py: error: --device cuda but no GPU is visible: request one with "
-        "#SBATCH --gpus-per-node=1\n"
+        "lightning_train.py: error: --device cuda but no GPU is visible: request one (Slurm: "
+        "--gpus-per-node=1, PBS: -l select=1:ncpus=4:ngpus=1, Grid Engine: -l gpu=1)\n"
     )
 
 

@@ -233,7 +233,8 @@ def test_cuda_without_a_gpu_says_to_request_one(tmp_path, script):
                       MASTER_PORT=free_port())  # fmt: skip
     proc = run([sys.executable, script, "--device", "cuda"], cwd=tmp_path, env=env, expect_rc=2)
     assert (
-        "no GPU is visible: request GPUs for the job (#SBATCH --gpus-per-node=N or --gres=gpu:N)"
+        "no GPU is visible: request GPUs (Slurm: --gpus-per-node=N, PBS: -l "
+        "select=1:ncpus=4:ngpus=N, Grid Engine: -l gpu=N)"
         in proc.stderr
         and proc.stderr.count("\n") == 1
     ), proc.stderr

@@ -4,7 +4,9 @@ Output shown on a page comes from a recorded run: a file in examples/ that the p
 and a test compares with what the script prints now (tests/recorded.py). What remains typed
 into the pages is listed in BLOCKS with how it is verified:
 
-- "python": pytest-examples runs it and checks its #> output (test_pages.py);
+- "python": pytest-examples runs it and checks its #> output (test_pages.py); where it has a
+  branch that a reader's machine takes and the CPU test machine does not (a GPU), the tests
+  named after it run the page's block there with stand-ins ("test_pages.py; FILE::TEST");
 - "console": the tests below run its commands as they stand, in a scratch folder with the
   page's example files, and check the output lines the block shows (paths of the tests' venv
   and home shown as a reader's, READER_PATHS). The "local" blocks of a page run in one
@@ -113,7 +115,10 @@ BLOCKS = {
      "-l walltime=00:30:00"): ("not run", "check_pytorch.py --device cuda needs a GPU, and "
      "qsub -I an interactive shell; test_pbs.py submits check_pytorch.pbs, the same module and "
      "venv"),
-    ("getting-started/first-job.md", "import os"): ("python", "test_pages.py"),
+    ("getting-started/first-job.md", "import os"): ("python", "test_pages.py; "
+     "test_first_job.py::test_the_typed_stop_rule_takes_a_working_gpu; "
+     "test_first_job.py::test_the_typed_stop_rule_stops_a_job_given_gpus_it_cannot_use; "
+     "test_first_job.py::test_the_typed_stop_rule_takes_the_cpu_where_no_gpu_was_given"),
     ("getting-started/pbs.md", "[user@login ~]$ qsub -P <group> -q rt_HG -l select=1 -l "
      "walltime=1:00:00 check_pytorch.pbs"): ("not run", "ABCI 3.0's own queues and a reader's "
      "group: test_pbs.py submits check_pytorch.pbs to the tests' OpenPBS complex"),
@@ -129,7 +134,8 @@ BLOCKS = {
         ("console", "local"),
     ("getting-started/install.md", "[user@login ~]$ TORCH_BUILD=cu128 bash make_venv.sh"):
         ("console", "local"),
-    ("getting-started/install.md", "import torch"): ("python", "test_pages.py"),
+    ("getting-started/install.md", "import torch"): ("python", "test_pages.py; "
+     "test_install.py::test_the_typed_arch_check_on_gpus"),
     ("getting-started/install.md", "[user@login ~]$ module avail pytorch"): ("console", "local"),
     ("getting-started/install.md", "(pytorch) [user@login ~]$ python -m pip install "
      "--index-url https://download.pytorch.org/whl/cu128 torch==2.13.0 torchvision==0.28.0"):
@@ -228,6 +234,9 @@ def test_every_typed_block_is_verified(page, line, language, text):
     kind, detail = BLOCKS[key(page, text)]
     if kind == "python":
         assert language == "python" and text in [example.source for example in PYTHON_BLOCKS]
+        for test in detail.split("; ")[1:]:  # its other branches, run with stand-ins
+            test_file, test_name = test.split("::")
+            assert f"def {test_name}(" in (TESTS / test_file).read_text(), where
     elif kind == "console":
         assert language == "console" and detail in CONTEXTS
     elif kind == "gpu":

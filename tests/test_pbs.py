@@ -29,6 +29,7 @@ JOBS = {
         expect=(
             "Job {job_id} on ",
             "CPU threads:     4 (from NCPUS)",
+            "GPUs requested:  JOB_GPUS=1",  # the script's export: PBS sets no GPU variable
             "Test product:    64x64 on cpu",
             "Result: PyTorch",
         ),

@@ -146,7 +146,8 @@ def test_on_sigterm_the_job_script_saves_but_leaves_the_requeue_to_slurm(tmp_pat
         ("no data", "no CIFAR-10 in none: download it once on a login node with"),
         (
             "no GPU",
-            "--device cuda but no GPU is visible: request one with #SBATCH --gpus-per-node=1",
+            "--device cuda but no GPU is visible: request one (Slurm: --gpus-per-node=1, PBS: "
+            "-l select=1:ncpus=4:ngpus=1, Grid Engine: -l gpu=1)",
         ),
     ],
 )

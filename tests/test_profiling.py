@@ -125,7 +125,8 @@ def test_two_srun_tasks_write_into_the_jobs_folder(tmp_path):
               "MASTER_PORT": "29500"}, "SLURM_LOCALID not set: start this script with torchrun "
          "or srun"),
         pytest.param(["--device", "cuda"], {}, "--device cuda but no GPU is visible: request "
-                     "one (e.g. #SBATCH --gpus-per-node=1)",
+                     "one (Slurm: --gpus-per-node=1, PBS: -l select=1:ncpus=4:ngpus=1, Grid "
+                     "Engine: -l gpu=1)",
                      marks=pytest.mark.skipif(HAS_CUDA, reason="shows the CPU-only outcome")),
     ],
 )  # fmt: skip

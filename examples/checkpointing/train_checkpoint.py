@@ -121,23 +121,48 @@ def fail(message):
     sys.exit(2)
 
 
-# Scheduler variables that say this job was given GPUs, and the device files of a GPU node.
-GPU_VARIABLES = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SGE_HGR_gpu", "CUDA_VISIBLE_DEVICES")
+# The scheduler's word that this job was given GPUs: lists of GPU indices ("0" is a GPU), then
+# counts ("0" is none; the guide's .pbs scripts export JOB_GPUS from the job's request).
+GPU_LIST_VARIABLES = ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "SGE_HGR_gpu")
+GPU_COUNT_VARIABLES = ("PBS_NGPUS", "JOB_GPUS")
 GPU_DEVICE_FILES = ("/dev/nvidia[0-9]*", "/dev/kfd")
+# Signs of an Apptainer/Singularity or Podman container (Docker passes no job variables in).
+CONTAINER_VARIABLES = ("APPTAINER_CONTAINER", "SINGULARITY_CONTAINER", "container")
+CONTAINER_FILES = ("/.singularity.d", "/run/.containerenv")
+
+
+def gpus_given():
+    """'NAME=value' of the first scheduler variable that gave this job GPUs, or None. Inside a
+    Slurm step (srun), SLURM_JOB_GPUS is the job's, copied into every step: it does not count."""
+    for name in GPU_LIST_VARIABLES + GPU_COUNT_VARIABLES:
+        value = os.environ.get(name, "").strip()
+        none = ("", "0") if name in GPU_COUNT_VARIABLES else ("", "(null)", "-1", "NoDevFiles")
+        in_step = name == "SLURM_JOB_GPUS" and "SLURM_STEP_ID" in os.environ
+        if value not in none and not in_step:
+            return f"{name}={value}"
+    return None
 
 
 def gpu_usable(torch):
-    """True when PyTorch can use a GPU. When it cannot, on a node with GPUs that the scheduler
-    gave this job (a CPU-only build, a driver older than the build's CUDA), stop in one line:
-    a job given GPUs never trains on the CPU unnoticed."""
+    """True when PyTorch can use a GPU. When it cannot in a job given GPUs, on a node with GPU
+    device files or in a container (started without GPU support), stop in one line: a job given
+    GPUs never trains on the CPU unnoticed. A bare CUDA_VISIBLE_DEVICES counts on a GPU node."""
     if torch.cuda.is_available():
         return True
-    unset = ("", "(null)", "-1", "NoDevFiles")  # "0" is a GPU: the first
-    given = [name for name in GPU_VARIABLES if os.environ.get(name, "").strip() not in unset]
-    if given and any(glob.glob(pattern) for pattern in GPU_DEVICE_FILES):
-        fail(f"this job was given GPUs ({given[0]}={os.environ[given[0]]}) but PyTorch "
-             f"{torch.__version__} can use none: run check_pytorch.py in the job to see why, "
-             "or pass --device cpu")  # fmt: skip
+    devices = any(glob.glob(pattern) for pattern in GPU_DEVICE_FILES)
+    container = any(os.environ.get(name) for name in CONTAINER_VARIABLES) or any(
+        os.path.exists(path) for path in CONTAINER_FILES
+    )
+    given = gpus_given() if devices or container else None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    if devices and not given and visible not in ("", "(null)", "-1", "NoDevFiles"):
+        given = f"CUDA_VISIBLE_DEVICES={visible}"
+    if given:
+        fix = "run check_pytorch.py in the job to see why"
+        if not devices:  # a container started without them
+            fix = "start the container with GPU support (apptainer --nv, podman --gpus all)"
+        fail(f"this job was given GPUs ({given}) but PyTorch {torch.__version__} can use none: "
+             f"{fix}, or pass --device cpu")  # fmt: skip
     return False
 
 
@@ -397,7 +422,8 @@ def main(argv=None):
         fail(f"{args.output_dir / 'model.pt'} is a folder: move it away or choose another "
              "--output-dir")  # fmt: skip
     if args.device == "cuda" and not torch.cuda.is_available():
-        fail("--device cuda but no GPU is visible: request one with #SBATCH --gpus-per-node=1")
+        fail("--device cuda but no GPU is visible: request one (Slurm: --gpus-per-node=1, "
+             "PBS: -l select=1:ncpus=4:ngpus=1, Grid Engine: -l gpu=1)")  # fmt: skip
     dataset = make_dataset(args)
     use_cuda = args.device == "cuda" or (args.device == "auto" and gpu_usable(torch))
     device = torch.device("cuda" if use_cuda else "cpu")

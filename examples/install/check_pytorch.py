@@ -7,12 +7,14 @@ image is available for execution on the device") or when a GPU was requested but
 visible, and says why: a CPU-only build, or an NVIDIA driver too old for the CUDA of this
 build (nvidia-smi shows the newest CUDA the driver supports). ROCm builds are recognised.
 With --device cuda it fails unless a usable GPU is there; so does a job that the scheduler
-gave GPUs, on a node that has them, unless --device cpu.
+gave GPUs, on a node that has them or in a container (started without GPU support), unless
+--device cpu.
 
     python check_pytorch.py
     python check_pytorch.py --device cuda
 
-Job scripts: check_pytorch.sbatch (Slurm) and check_pytorch.qsub (Grid Engine).
+Job scripts: check_pytorch.sbatch (Slurm), check_pytorch.qsub (Grid Engine) and
+check_pytorch.pbs (PBS).
 """
 
 import argparse
@@ -24,17 +26,33 @@ import subprocess
 import sys
 import time
 
-# Scheduler variables that say this job was given GPUs: lists of GPU indices, then counts.
-GPU_LIST_VARIABLES = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SGE_HGR_gpu")
+# Scheduler variables that say this job was given GPUs: lists of GPU indices, then counts
+# (PBS_NGPUS: NCI Gadi; JOB_GPUS: exported by the guide's .pbs scripts from the job's request,
+# as PBS sets no GPU variable by default).
+GPU_LIST_VARIABLES = ("SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "SGE_HGR_gpu")
 GPU_COUNT_VARIABLES = (
     "SLURM_GPUS_ON_NODE",
     "SLURM_GPUS",
     "SLURM_GPUS_PER_NODE",
     "SLURM_GPUS_PER_TASK",
+    "PBS_NGPUS",
+    "JOB_GPUS",
 )
+# The job's, which srun copies into every step: inside a step (SLURM_STEP_ID set), only the
+# step's own SLURM_STEP_GPUS and SLURM_GPUS_ON_NODE say what it was given.
+SLURM_JOB_LEVEL = ("SLURM_JOB_GPUS", "SLURM_GPUS", "SLURM_GPUS_PER_NODE", "SLURM_GPUS_PER_TASK")
 
-# Device files that only a GPU node has (NVIDIA, AMD).
-GPU_DEVICE_FILES = ("/dev/nvidia[0-9]*", "/dev/kfd")
+# Device files that only a GPU node has (NVIDIA, AMD), and signs of an Apptainer/Singularity or
+# Podman container, where a runtime started without GPU support leaves no device file (Docker
+# passes no job variables into a container).
+NVIDIA_DEVICE_FILES = "/dev/nvidia[0-9]*"
+AMD_DEVICE_FILE = "/dev/kfd"
+CONTAINER_VARIABLES = ("APPTAINER_CONTAINER", "SINGULARITY_CONTAINER", "container")
+CONTAINER_FILES = ("/.singularity.d", "/run/.containerenv")
+CONTAINER_WITHOUT_GPUS = (
+    "this container has no GPU device: start the container with GPU support "
+    "(apptainer --nv, podman --gpus all)"
+)
 
 HOW_TO_REQUEST_A_GPU = (
     "request one: Slurm '#SBATCH --gpus-per-node=1' (or --gres=gpu:1), "
@@ -102,12 +120,29 @@ def gpus_in(name, value):
 
 def gpu_request():
     """Return 'NAME=value' for the first scheduler variable that shows a GPU request."""
+    in_step = "SLURM_STEP_ID" in os.environ
     for name in GPU_LIST_VARIABLES + GPU_COUNT_VARIABLES:
         value = os.environ.get(name, "")
         if value in ("", "(null)") or gpus_in(name, value) == 0:
             continue
+        if in_step and name in SLURM_JOB_LEVEL:
+            continue
         return f"{name}={value}"
     return None
+
+
+def nvidia_node():
+    return bool(glob.glob(NVIDIA_DEVICE_FILES))
+
+
+def amd_node():
+    return os.path.exists(AMD_DEVICE_FILE)
+
+
+def in_container():
+    return any(os.environ.get(name) for name in CONTAINER_VARIABLES) or any(
+        os.path.exists(path) for path in CONTAINER_FILES
+    )
 
 
 def driver_cuda():
@@ -137,12 +172,24 @@ def build_for_driver(cuda):
 
 def why_no_gpu(torch, driver):
     """Why a CUDA or ROCm build sees no GPU that the scheduler gave, in one sentence."""
+    if in_container() and not (nvidia_node() or amd_node()):
+        return CONTAINER_WITHOUT_GPUS
     if torch.version.hip:
+        if nvidia_node() and not amd_node():
+            return (
+                "this node has NVIDIA GPUs and this PyTorch is a ROCm build: install a CUDA build "
+                "(make_venv.sh with TORCH_BUILD=cu128) or your site's module"
+            )
         return "check HIP_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES and that the job has the GPUs"
     if not torch.version.cuda:
         return (
             "this PyTorch is a CPU-only build: install a CUDA build (make_venv.sh with "
             "TORCH_BUILD=cu128, or your site's module)"
+        )
+    if amd_node() and not nvidia_node():
+        return (
+            "this node has AMD GPUs and this PyTorch is a CUDA build: install a ROCm build "
+            "(pip's index https://download.pytorch.org/whl/rocm<version>) or your site's module"
         )
     built = tuple(int(n) for n in torch.version.cuda.split(".")[:2])
     if driver and driver[1][0] < built[0]:
@@ -255,10 +302,10 @@ def main(argv=None):
                 "module)."
             )
 
-    # On a GPU node, a job given GPUs stops here rather than pass on the CPU; elsewhere (a
-    # scheduler whose GPUs are not real, as on the guide's test cluster) it warns.
-    on_gpu_node = any(glob.glob(pattern) for pattern in GPU_DEVICE_FILES)
-    if requested and usable == 0 and on_gpu_node and args.device != "cpu":
+    # On a GPU node or in a container, a job given GPUs stops here rather than pass on the CPU;
+    # elsewhere (a scheduler whose GPUs are not real, as on the guide's test cluster) it warns.
+    on_gpu_node = nvidia_node() or amd_node()
+    if requested and usable == 0 and (on_gpu_node or in_container()) and args.device != "cpu":
         if count == 0:
             fail(f"the scheduler gave this job GPUs ({requested}) but PyTorch sees none: "
                  f"{why_no_gpu(torch, driver)}")  # fmt: skip
