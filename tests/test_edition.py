@@ -759,6 +759,7 @@ def test_a_pbs_centre_that_charges_an_account_writes_a_in_its_directives(tmp_pat
         lines = pbs_directives(script.read_text())
         assert "-A P12345678" in lines and not any(line.startswith("-P") for line in lines), lines
 
+
 def test_the_tests_complex_edition_names_its_project_queue_and_directive(editions):
     _site, folder, _changed = editions["pbs"]
     text = (folder / "first-job/check_pytorch.pbs").read_text()

@@ -35,8 +35,8 @@ TOOLKIT_LIB = "/usr/local/cuda-12.8/lib64"  # a site's CUDA toolkit module would
 # The lib folders of the wheel's nvidia-* pip packages (none for a CPU wheel).
 NVIDIA_LIBS = sorted(str(p) for p in TORCH_LIB.parent.parent.glob("nvidia/*/lib") if p.is_dir())
 CUDA_ERROR = (
-    "example: error: --device cuda but no GPU is visible: run on a GPU node "
-    "(#SBATCH --gpus-per-node=1) or pass --device cpu\n"
+    "example: error: --device cuda but no GPU is visible: run on a GPU node (Slurm "
+    "--gpus-per-node=1, PBS -l select=1:ngpus=1, Grid Engine -l gpu=1) or pass --device cpu\n"
 )
 
 
@@ -229,6 +229,30 @@ def test_a_job_given_gpus_that_libtorch_cannot_use_stops_in_one_line(built, tmp_
     assert "epoch 1" not in proc.stdout
     assert "Training on cpu" in run([example, "--device", "auto", "--epochs", "1"], cwd=tmp_path,
                                     env=env).stdout  # fmt: skip
+
+
+@pytest.mark.cpp
+@pytest.mark.parametrize("given", ["SLURM_JOB_GPUS=0", "JOB_GPUS=1", "PBS_NGPUS=2"])
+def test_a_container_without_its_gpus_stops_in_one_line(built, tmp_path, given):
+    """A container started without GPU support (Apptainer without --nv) has no /dev/nvidia*, but
+    the job's variables: --device auto stops and says how to start it, never trains on the CPU.
+    Inside a Slurm step, the job's SLURM_JOB_GPUS alone does not count (a CPU step)."""
+    if HAS_CUDA:
+        pytest.skip("PyTorch can use a GPU here")
+    example = built[0] / "build" / "example"
+    name, value = given.split("=")
+    env = example_env(**{name: value, "APPTAINER_CONTAINER": "/images/pytorch.sif"})
+    proc = run([example, "--device", "auto", "--epochs", "1"], cwd=tmp_path, env=env, expect_rc=2)
+    assert re.fullmatch(
+        rf"example: error: this job was given GPUs \({given}\) but LibTorch [\d.]+ can use none: "
+        r"start the container with GPU support \(apptainer --nv, podman --gpus all\), or pass "
+        r"--device cpu\n",
+        proc.stderr,
+    ), proc.stderr
+    if name == "SLURM_JOB_GPUS":
+        env["SLURM_STEP_ID"] = "0"
+        assert "Training on cpu" in run([example, "--device", "auto", "--epochs", "1"],
+                                        cwd=tmp_path, env=env).stdout  # fmt: skip
 
 
 @pytest.mark.cpp

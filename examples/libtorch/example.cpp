@@ -70,13 +70,20 @@ Options parse_args(int argc, char* argv[]) {
   return options;
 }
 
-// The scheduler variable that says this job was given GPUs, as NAME=value, or "".
+// The scheduler's word that this job was given GPUs, as NAME=value, or "": lists of GPU
+// indices ("0" is a GPU), then counts ("0" is none; the guide's .pbs scripts export JOB_GPUS).
+// Inside a Slurm step (srun), SLURM_JOB_GPUS is the job's, copied into every step: not counted.
 std::string gpus_given() {
+  const bool in_step = std::getenv("SLURM_STEP_ID") != nullptr;
   for (const char* name :
-       {"SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "SGE_HGR_gpu", "CUDA_VISIBLE_DEVICES"}) {
+       {"SLURM_STEP_GPUS", "SLURM_JOB_GPUS", "SGE_HGR_gpu", "PBS_NGPUS", "JOB_GPUS"}) {
     const char* value = std::getenv(name);
-    const std::string text = value ? value : "";  // "0" is a GPU: the first
-    if (!text.empty() && text != "(null)" && text != "-1" && text != "NoDevFiles")
+    const std::string text = value ? value : "";
+    const bool count = std::string(name) == "PBS_NGPUS" || std::string(name) == "JOB_GPUS";
+    const bool none = text.empty() || (count ? text == "0"
+                                             : text == "(null)" || text == "-1" ||
+                                                   text == "NoDevFiles");
+    if (!none && !(in_step && std::string(name) == "SLURM_JOB_GPUS"))
       return std::string(name) + "=" + text;
   }
   return "";
@@ -95,6 +102,15 @@ bool gpu_node() {
   return false;
 }
 
+// Whether this runs in an Apptainer/Singularity or Podman container.
+bool in_container() {
+  std::error_code error;
+  for (const char* name : {"APPTAINER_CONTAINER", "SINGULARITY_CONTAINER", "container"})
+    if (const char* value = std::getenv(name); value && *value) return true;
+  return std::filesystem::exists("/.singularity.d", error) ||
+         std::filesystem::exists("/run/.containerenv", error);
+}
+
 std::string host_name() {
   char name[256] = {};
   return gethostname(name, sizeof name - 1) == 0 ? name : "unknown";
@@ -111,14 +127,26 @@ int train(const Options& options) {
             << "\n";
   if (options.device == "cuda" && !cuda)
     throw UsageError(
-        "--device cuda but no GPU is visible: run on a GPU node (#SBATCH --gpus-per-node=1) "
-        "or pass --device cpu");
-  // A job given GPUs on a GPU node never trains on the CPU unnoticed.
-  const std::string given = options.device == "auto" && !cuda ? gpus_given() : "";
-  if (!given.empty() && gpu_node())
-    throw UsageError("this job was given GPUs (" + given + ") but LibTorch " + TORCH_VERSION +
-                     " can use none: run check_pytorch.py in the job to see why, or pass "
-                     "--device cpu");
+        "--device cuda but no GPU is visible: run on a GPU node (Slurm --gpus-per-node=1, PBS "
+        "-l select=1:ngpus=1, Grid Engine -l gpu=1) or pass --device cpu");
+  // A job given GPUs, on a GPU node or in a container, never trains on the CPU unnoticed.
+  std::string given;
+  if (options.device == "auto" && !cuda) {
+    const bool devices = gpu_node();
+    if (devices || in_container()) given = gpus_given();
+    const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+    const std::string bare = visible ? visible : "";
+    if (devices && given.empty() && !bare.empty() && bare != "(null)" && bare != "-1" &&
+        bare != "NoDevFiles")
+      given = "CUDA_VISIBLE_DEVICES=" + bare;
+    if (!given.empty())
+      throw UsageError("this job was given GPUs (" + given + ") but LibTorch " + TORCH_VERSION +
+                       " can use none: " +
+                       (devices ? "run check_pytorch.py in the job to see why"
+                                : "start the container with GPU support (apptainer --nv, "
+                                  "podman --gpus all)") +
+                       ", or pass --device cpu");
+  }
   const bool use_cuda = options.device == "cuda" || (options.device == "auto" && cuda);
   const torch::Device device(use_cuda ? torch::kCUDA : torch::kCPU);
   if (use_cuda)  // one line per GPU that ran: make site-check counts them
