@@ -137,7 +137,7 @@ def test_bad_model_name_is_refused(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="shows the CPU-only outcome")
 def test_refuses_cuda_without_a_gpu(tmp_path):
     proc = run([sys.executable, BENCHMARK, "--quick"], cwd=tmp_path, expect_rc=2)
-    assert "no GPU is visible; request one (#SBATCH --gpus-per-node=1)" in proc.stderr
+    assert "no GPU is visible: request one (Slurm: --gpus-per-node=1, PBS: " in proc.stderr
     assert proc.stderr.count("\n") == 1
 
 
