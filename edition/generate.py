@@ -16,7 +16,7 @@ What changes, and nothing else:
   where the site file sets cores_per_gpu or memory_per_gpu, the cores and memory of GPU jobs.
 
 PBS job scripts (.pbs) keep every site-specific directive in their first block: the project
-(``##PBS -P``), the queue (``#PBS -q``) and the chunk (``#PBS -l select=N:ncpus=C:ngpus=G``),
+(``##PBS -P``), the queue (``##PBS -q``) and the chunk (``#PBS -l select=N:ncpus=C:ngpus=G``),
 each with its comment on the line above (PBS refuses a comment after a directive). The chunk
 keeps its count, cores and memory and asks for its GPUs in the centre's form, or, where the
 queues set the chunks' resources (scheduler.queue_resources), names only its count.
@@ -282,7 +282,7 @@ RULES = [
     (r"#\$ -l gpu=(?P<n>\d+)", _gpus),
     # PBS directives: each comment is on the line above
     (r"##PBS -P \S+", _pbs_project),
-    (r"#PBS -q \S+", _pbs_queue),
+    (r"#?#PBS -q \S+", _pbs_queue),  # commented out in the generic scripts: few sites have workq
     (r"#PBS -l select=(?P<n>\d+)(?P<resources>(?::\w+=[\w.]+)*)", _pbs_chunk),
     # modules
     (r"source /etc/profile\.d/modules\.sh", _init),

@@ -96,6 +96,7 @@ MODULEFILES = sorted(
 def test_every_modulefile_of_the_test_site_loads(module, job_env):
     proc = subprocess.run(
         ["bash", "-c", f"set -euo pipefail; module load {module}; module --terse list"],
-        env=job_env, capture_output=True, text=True, check=False,
+        env={**job_env, "SHARED_PYTHON": "/opt/python"},  # python/3.11-shared's folder
+        capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert proc.returncode == 0 and module in proc.stdout + proc.stderr, proc.stderr

@@ -15,9 +15,11 @@
 # /etc/pbs.conf: a machine with a real PBS keeps it) is named by PBS_CONF_FILE, which every job
 # gets too (pbs_environment). Daemons are stopped by the process ids in their lock files.
 #
-# Ports: PBS's defaults (15001-15007, the MoMs', the comm's 17001) lie in 15000-24999, where the
-# guide's job scripts put their rendezvous ports (15000 + job id % 10000), and the tests' Slurm
-# jobs run beside this complex: its ports are 25001-25013 and 27001 instead.
+# Ports: PBS's defaults (15001-15007, the MoMs', the comm's 17001) lie in 15000-29999, where the
+# rendezvous ports of the Slurm and PBS jobs that the tests run beside this complex lie (15000 or
+# 20000 + job id % 10000), and 7000-9000 has the tests' Slurm daemons, 6444-6445 Grid Engine's:
+# its ports are 11001-11013 and 13001 instead, below 32768, where Linux starts picking ports
+# for connections.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -42,8 +44,8 @@ addresses() {
     done
 }
 
-SERVER_PORT=25001 DATA_PORT=25007 COMM=pbs-n1:27001
-MOM1_PORT=25002 MOM2_PORT=25012  # each MoM's manager port is the next one
+SERVER_PORT=11001 DATA_PORT=11007 COMM=pbs-n1:13001
+MOM1_PORT=11002 MOM2_PORT=11012  # each MoM's manager port is the next one
 
 conf() {  # conf FILE HOME NODE MOM_PORT SERVER_DAEMONS(0|1)
     cat > "$1" <<CONF
