@@ -337,6 +337,26 @@ def test_a_job_without_gpus_is_refused_by_the_ddp_script(complex_env, tmp_path):
     assert "request GPUs: -l select=N:ncpus=C:ngpus=G" in output and "epoch" not in output, output
 
 
+def test_a_quoted_value_with_commas_passes_through_qsub_v(complex_env, tmp_path):
+    """pbs.md: -v splits its list on commas, and a value quoted inside it keeps them, as
+    submit_sweep_pbs.sh passes ARGS; unquoted, the value is cut at the first comma."""
+    (tmp_path / "show.pbs").write_text(
+        '#!/bin/bash\n#PBS -N show\n#PBS -j oe\ncd "$PBS_O_WORKDIR"\necho "ARGS=[$ARGS]"\n'
+    )
+    outputs = []
+    for value in ("'--tags a,b --epochs 1'", "--tags a,b"):
+        job = run(["qsub", "-v", f"ARGS={value}", "show.pbs"], cwd=tmp_path, env=complex_env,
+                  expect_rc=None)  # fmt: skip
+        if job.returncode != 0:  # a -v list item without "=": refused
+            outputs.append(f"refused: {job.stderr.strip()}")
+            continue
+        job_id = job.stdout.strip()
+        assert wait_for(job_id, complex_env).get("Exit_status") == 0
+        outputs.append(output_of(tmp_path, "show", job_id).strip())
+    assert outputs[0] == "ARGS=[--tags a,b --epochs 1]", outputs
+    assert outputs[1] != "ARGS=[--tags a,b]", outputs
+
+
 def test_the_build_refuses_an_archive_that_is_not_the_pinned_commit(tmp_path):
     """Upstream unreachable, and the offline copy's sha256 is not the one pinned: one line."""
     if os.geteuid() != 0:
