@@ -259,6 +259,9 @@ JOBS = {
     ),
     "containers/apptainer.sbatch": Job(
         files=("first-job/check_distributed.py",),
+        # The cluster's GPUs are a count, with no device files, inside the container too:
+        # --device auto stops there (test_a_container_without_gpu_devices_stops_every_process).
+        args=("--device", "cpu"),
         expect=(
             "Job {job_id}: 4 processes on n[1-2], rendezvous at n1:",
             ", bound: /",  # the test cluster's project and scratch (site file), which exist
@@ -827,6 +830,25 @@ def test_two_copies_of_a_distributed_job_share_a_node(cluster, job_env, tmp_path
     ports = {re.search(r"rendezvous at \S+:(\d+)", info["output"])[1] for info in (first, second)}
     assert len(ports) == 2
 
+
+def test_a_container_without_gpu_devices_stops_every_process(cluster, job_env, tmp_path):
+    """apptainer.sbatch in a job given GPUs whose container has no GPU device files (here the
+    cluster's GPUs are a count; on a GPU node, a container started without --nv, or with
+    --contain): every process stops in one line saying how to start the container, and the
+    job fails; none trains on the CPU."""
+    script = "containers/apptainer.sbatch"
+    job = JOBS[script]
+    copy_example(tmp_path, script, *job.files)
+    env = job_env_for(cluster, job_env)
+    prepare(job, tmp_path, env)
+    info = wait_for(sbatch("apptainer.sbatch", cwd=tmp_path, env=env), env)
+    assert info["JobState"] == "FAILED", info["output"]
+    stops = re.findall(r"^check_distributed\.py: error: this job was given GPUs \(SLURM_STEP_GPUS="
+                       r"\S+\) but PyTorch \S+ can use none: start the container with GPU "
+                       r"support \(apptainer --nv, podman --gpus all\), or pass --device cpu$",
+                       info["output"], re.M)  # fmt: skip
+    assert stops, info["output"]
+    assert "reached each other" not in info["output"] and "sum 10" not in info["output"]
 
 def http_get(url, host):
     """(status, body) of a GET of url with the Host header a browser at host sends (no proxy)."""

@@ -251,7 +251,8 @@ def test_when_every_port_is_in_use_it_says_so(tmp_path):
         (["--run-name", "a/b"], "argument --run-name: must be a plain folder name (got 'a/b')"),
         (["--fake-size", "10"], "--fake-size 10 is smaller than one batch of 64"),
         pytest.param(["--device", "cuda"], "--device cuda but no GPU is visible: request one "
-                     "(e.g. #SBATCH --gpus-per-node=1)",
+                     "(Slurm: --gpus-per-node=1, PBS: -l select=1:ncpus=4:ngpus=1, Grid Engine: "
+                     "-l gpu=1)",
                      marks=pytest.mark.skipif(HAS_CUDA, reason="shows the CPU-only outcome")),
     ],
 )  # fmt: skip

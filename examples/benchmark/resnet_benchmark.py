@@ -223,8 +223,8 @@ def main(argv=None):
         fail(f"cannot import torchvision ({first_line}); install the torchvision release "
              f"built for torch {torch.__version__}")  # fmt: skip
     if args.device == "cuda" and not torch.cuda.is_available():
-        fail("no GPU is visible: request one (Slurm: --gpus-per-node=1, PBS: "
-             "-l select=1:ncpus=4:ngpus=1, Grid Engine: -l gpu=1), or pass --device cpu")  # fmt: skip
+        fail("no GPU is visible: request one (Slurm: --gpus-per-node=1, PBS: -l select=1:"
+             "ncpus=4:ngpus=1, Grid Engine: -l gpu=1), or pass --device cpu")  # fmt: skip
     device = torch.device(args.device)
     if device.type == "cuda":
         announce_gpu(torch, device)
