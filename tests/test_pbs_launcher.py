@@ -25,7 +25,9 @@ line = (f"rank {e['RANK']} of {e['WORLD_SIZE']} (node {e['GROUP_RANK']}, local {
         f"of {e['LOCAL_WORLD_SIZE']}): NCCL_SOCKET_IFNAME={e.get('NCCL_SOCKET_IFNAME')} "
         f"MY_SETTING={e.get('MY_SETTING')!r} JOB_GPUS={e.get('JOB_GPUS')} env file {mode} "
         f"in {os.getcwd()}")
-os.write(1, (line + "\\n").encode())  # one write: the processes share the output file
+# A file per rank: the output file interleaves the nodes' streams (the MoM relays node 2's).
+with open(f"rank-{e['RANK']}.txt", "w") as out:
+    out.write(line + "\\n")
 """
 
 
@@ -142,11 +144,12 @@ def test_every_rank_gets_what_the_job_script_exports(complex_env, tmp_path):
     record = wait_for(job, complex_env, timeout=180)
     output = output_of(tmp_path, "ddp-torchrun", job)
     assert record.get("Exit_status") == 0, output
+    lines = "".join(path.read_text() for path in sorted(tmp_path.glob("rank-*.txt")))
     ranks = re.findall(
         r"^rank (\d) of 4 \(node (\d), local \d of 2\): NCCL_SOCKET_IFNAME=lo "
         rf"MY_SETTING='two words' JOB_GPUS=4 env file 0o600 in {re.escape(str(tmp_path))}$",
-        output, re.M)  # fmt: skip
-    assert sorted(ranks) == [("0", "0"), ("1", "0"), ("2", "1"), ("3", "1")], output
+        lines, re.M)  # fmt: skip
+    assert sorted(ranks) == [("0", "0"), ("1", "0"), ("2", "1"), ("3", "1")], output + lines
     assert not list(tmp_path.glob(".ddp-torchrun.*")), list(tmp_path.iterdir())
 
 
@@ -167,10 +170,9 @@ def test_a_job_whose_gpus_come_with_the_node_counts_them(complex_env, tmp_path):
     output = output_of(tmp_path, "ddp-torchrun", job)
     assert record.get("Exit_status") == 0, output
     assert f"Job {job}: 2 node(s) x 3 processes" in output, output
-    ranks = re.findall(
-        r"^rank (\d) of 6 \(node (\d), local \d of 3\): .* JOB_GPUS=6 ", output, re.M
-    )
-    assert sorted(ranks) == [(str(r), str(r // 3)) for r in range(6)], output
+    lines = "".join(path.read_text() for path in sorted(tmp_path.glob("rank-*.txt")))
+    ranks = re.findall(r"^rank (\d) of 6 \(node (\d), local \d of 3\): .* JOB_GPUS=6 ", lines, re.M)
+    assert sorted(ranks) == [(str(r), str(r // 3)) for r in range(6)], output + lines
 
 
 # PBS's own ports on an execution host, by default: the server (15001), the MoM (15002, 15003),
