@@ -93,6 +93,62 @@ def pytest_collection_modifyitems(config, items):
     first = {"test_slurm.py": 0, "test_site.py": 1, "test_deepspeed.py": 2, "test_horovod.py": 3,
              "test_install_venv.py": 4, "test_gridengine.py": 5, "test_pbs.py": 6}  # fmt: skip
     items.sort(key=lambda item: first.get(item.path.name, len(first)))
+    if os.environ.get("TESTS_SELECTION"):
+        select(config, items, Path(os.environ["TESTS_SELECTION"]))
+
+
+def _forms(value):
+    """The names a test parameter goes by: a path as it stands, from the repository's root,
+    from examples/ and from source/ (without its suffix, as tests/test_site.py names pages)."""
+    forms = {str(value)}
+    if isinstance(value, Path):
+        for base in (ROOT, EXAMPLES, SOURCE):
+            if base in value.parents:
+                forms.add(value.relative_to(base).as_posix())
+        if SOURCE in value.parents:
+            forms.add(value.relative_to(SOURCE).with_suffix("").as_posix())
+    return forms
+
+
+def _matches(item, selector):
+    if "id" in selector:
+        return item.nodeid == selector["id"]
+    if item.nodeid.split("::")[0] != selector["file"]:
+        return False
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    for key, wanted in selector.get("where", {}).items():
+        if key == "originalname":
+            if item.originalname not in wanted:
+                return False
+        elif key in params:
+            if not _forms(params[key]) & set(wanted):
+                return False
+        elif selector.get("strict"):
+            return False
+    return True
+
+
+def select(config, items, path):
+    """make test-changed (tests/tools/changed.py): keep the tests its selection names. The
+    files of `always` whole; a selector names a test by id, or a file's tests whose parameters
+    match `where` (a test without that parameter matches unless `strict`). A named test that
+    no longer exists brings in its whole file, which path + '.missing' lists."""
+    selection = json.loads(path.read_text(encoding="utf-8"))
+    selectors = selection["selectors"]
+    ids = {item.nodeid for item in items}
+    missing = sorted({s["id"] for s in selectors if "id" in s and s["id"] not in ids})
+    whole = set(selection["always"]) | {test.split("::")[0] for test in missing}
+    keep, drop = [], []
+    for item in items:
+        chosen = item.nodeid.split("::")[0] in whole or any(_matches(item, s) for s in selectors)
+        (keep if chosen else drop).append(item)
+    if missing:
+        partial = path.with_name(f"{path.name}.missing.{os.getpid()}")
+        partial.write_text(json.dumps(missing), encoding="utf-8")
+        partial.replace(path.with_name(f"{path.name}.missing"))
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -73,16 +73,26 @@ def harness(folder, mode, scripts):
     return results
 
 
+# The test of each harness mode.
+MODES = {
+    "args": "test_bad_arguments_are_refused_when_parsed",
+    "env": "test_variables_that_are_not_numbers_are_named",
+    "gpus": "test_a_job_given_gpus_that_pytorch_cannot_use_stops_in_one_line",
+    "container": "test_a_container_without_gpu_support_in_a_job_given_gpus_stops_in_one_line",
+}
+
+
 @pytest.fixture(scope="module")
-def harnessed(tmp_path_factory):
-    """harnessed(mode, script): the script's cases. The harness runs once per mode for all the
-    scripts of this module's tests (one `import torch`, a forked process per script)."""
+def harnessed(tmp_path_factory, request):
+    """harnessed(mode, script): the script's cases. The harness runs once per mode for the
+    scripts of that mode's selected tests (one `import torch`, a forked process per script):
+    all of them in make test, one for make test-changed after a change to one script."""
     runs = {}
 
     def cases(mode, script):
         if mode not in runs:
-            scripts = {"args": SCRIPTS, "env": ENV_SCRIPTS, "gpus": GPU_SCRIPTS,
-                       "container": AUTO_SCRIPTS}[mode]  # fmt: skip
+            scripts = sorted({item.callspec.params["script"] for item in request.session.items
+                              if item.originalname == MODES[mode]} | {script})  # fmt: skip
             runs[mode] = harness(tmp_path_factory.mktemp(f"bad-{mode}"), mode, scripts)
         result = runs[mode][script]
         records.credit([script.relative_to(EXAMPLES).as_posix()])  # its cases, judged here

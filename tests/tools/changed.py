@@ -1,0 +1,370 @@
+"""The tests that cover what changed: `make test-changed` (BASE=main by default).
+
+    python tests/tools/changed.py [BASE] [--plan] [-- PYTEST OPTIONS]
+
+Compares the working tree (commits, uncommitted edits and new files) with where it left BASE
+(git merge-base), maps each changed file to the tests that cover it, prints the selection and
+why, runs it with pytest and ends with one verdict line. --plan prints the selection only.
+
+How a file maps (the first rule that matches wins):
+
+- anything the tests share (conftest, the test helpers, the schedulers' setup, the site files,
+  the edition, the Makefile, requirements, pytest settings): everything, as `make test`;
+- an example: the tests that ran it, from tests/records/ (the working tree's and BASE's);
+  a new example no record names yet: the test files that name it and its bad-input cases;
+- a page: its build in every language, its tests in tests/test_site.py and
+  tests/test_page_blocks.py, the site-wide tests, and the test files that name the page;
+- a catalog: that language's build, its pages' tests in tests/test_site.py, its rule tests;
+- a test file: all of it, and the test files that import it;
+- a tool in tests/tools/: the test files that name it;
+- the site's extensions, templates and configuration: the whole tests/test_site.py;
+- the records: the stamps of every page and tests/test_records.py;
+- README, workflows, CI: the static checks.
+
+The static checks that read every file (make test-quick: lint, includes, catalogs, records,
+site files) always run. A changed file no rule maps, or an example whose tests cannot be found,
+runs everything, and the plan says why: a pass never covers a change nobody mapped.
+
+The selection reaches pytest as a file (TESTS_SELECTION) that tests/conftest.py reads while it
+collects: a recorded test that no longer exists brings in the whole file it was in.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = "tests"
+# make test-quick: the static checks that read every file.
+STATIC = [
+    "tests/test_pages.py",
+    "tests/test_translations.py",
+    "tests/test_records.py",
+    "tests/test_repo.py",
+    "tests/test_edition.py",
+]
+SUITES = ("cpu", "slurm", "gridengine", "pbs", "gpu")
+LANGUAGES = ("zh_CN", "ja", "fr")
+# What every test depends on: a change here runs the whole suite.
+SHARED = [
+    (r"tests/conftest\.py", "the tests' shared fixtures"),
+    (r"tests/(records|recorded|zygote|bad_input)\.py", "a helper every example test uses"),
+    (r"tests/(shim|slurm|pbs|gridengine|modulefiles|standins|node)/", "the tests' environment"),
+    (r"tests/(daemons\.sh|install-system-packages\.sh)", "the tests' environment"),
+    (r"tests/sites/", "the test site files generate every job script the tests submit"),
+    (r"edition/", "the edition generates every job script the tests submit"),
+    (
+        r"(Makefile|pyproject\.toml|requirements\.txt|constraints\.txt|versions\.toml)$",
+        "the build, the venv or pytest's settings",
+    ),
+]
+SITE_WIDE = [
+    r"conf\.py$",
+    r"source/_(ext|static|templates|root)/",
+    r"locale/[^/]+/search-terms\.toml$",
+    r"locale/[^/]+/LC_MESSAGES/sphinx\.po$",
+]
+STATIC_ONLY = [
+    (r"[^/]+\.md$", "a top-level document"),
+    (r"\.github/", "a workflow (actionlint in tests/test_repo.py)"),
+    (r"\.ci/", "CI's script (its plan in tests/test_repo.py; the run itself is .ci/run)"),
+    (r"\.(gitignore|gitattributes|editorconfig)$", "a git setting"),
+]
+
+
+@dataclass
+class Plan:
+    """What to run: selectors for tests/conftest.py, and why each part is there."""
+
+    everything: list = field(default_factory=list)  # reasons to run the whole suite
+    selectors: list = field(default_factory=list)
+    reasons: list = field(default_factory=list)  # (changed file, what it brings in)
+
+    def add(self, path, what, *selectors):
+        self.reasons.append((path, what))
+        self.selectors.extend(selectors)
+
+    def files(self):
+        """The test files pytest collects."""
+        found = set(STATIC)
+        for selector in self.selectors:
+            found.add(selector.get("file") or selector["id"].split("::")[0])
+        return sorted(found)
+
+
+def git(*args):
+    return subprocess.run(
+        ["git", "-C", ROOT, *args], capture_output=True, text=True, check=True
+    ).stdout
+
+
+def changed_files(base):
+    """[(status, path)] of what differs from where HEAD left base, uncommitted edits and new
+    files included; a rename is a deletion and an addition."""
+    fork = git("merge-base", base, "HEAD").strip()
+    found = []
+    for line in git("diff", "--name-status", "--no-renames", fork).splitlines():
+        status, path = line.split("\t", 1)
+        found.append((status[0], path))
+    for path in git("ls-files", "--others", "--exclude-standard").splitlines():
+        found.append(("A", path))
+    return fork, sorted(set(found), key=lambda item: item[1])
+
+
+def load_records(fork):
+    """{example: {test ids}} from the records of the working tree and of the fork point."""
+    tests = {}
+    for suite in SUITES:
+        texts = []
+        path = ROOT / TESTS / "records" / f"{suite}.json"
+        if path.is_file():
+            texts.append(path.read_text(encoding="utf-8"))
+        if fork:
+            try:
+                texts.append(git("show", f"{fork}:tests/records/{suite}.json"))
+            except subprocess.CalledProcessError:
+                pass
+        for text in texts:
+            for name, record in json.loads(text).get("examples", {}).items():
+                tests.setdefault(name, set()).update(record.get("tests", {}))
+    return tests
+
+
+def test_files():
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / TESTS).glob("test_*.py"))
+
+
+def naming(*needles):
+    """The test files whose text contains any of needles."""
+    found = []
+    for name in test_files():
+        text = (ROOT / name).read_text(encoding="utf-8")
+        if any(needle in text for needle in needles):
+            found.append(name)
+    return found
+
+
+def importers(module):
+    pattern = re.compile(rf"^\s*(from {module} import|import {module}\b)", re.M)
+    return [name for name in test_files() if pattern.search((ROOT / name).read_text("utf-8"))]
+
+
+def map_example(plan, path, records, status):
+    name = path.removeprefix("examples/")
+    recorded = sorted(records.get(name, ()))
+    if recorded:
+        plan.add(
+            path,
+            f"{len(recorded)} tests that ran it (tests/records/)",
+            *({"id": test} for test in recorded),
+        )
+        return
+    if status == "D":
+        plan.add(path, "deleted, no test ran it: the static checks")
+        return
+    found = [f for f in naming(name, f'"{Path(name).name}"') if f != "tests/test_bad_input.py"]
+    selectors = [{"file": f} for f in found]
+    if name.endswith(".py"):
+        selectors.append(
+            {"file": "tests/test_bad_input.py", "where": {"script": [path]}, "strict": True}
+        )
+    if not found:
+        plan.everything.append(f"{path}: no record and no test names it")
+        return
+    plan.add(
+        path,
+        f"no record yet; the test files that name it ({', '.join(found)})"
+        + (" and its bad-input cases" if name.endswith(".py") else ""),
+        *selectors,
+    )
+
+
+def map_page(plan, path):
+    page = path.removeprefix("source/").rsplit(".", 1)[0]
+    where = {"page": [page]}
+    if "/" in page:  # as tests name a page: "monitoring/hangs.md", "monitoring" / "hangs.md"
+        folder, name = page.rsplit("/", 1)
+        named = naming(f"{page}.md", f'"{folder}" / "{name}.md"')
+    else:
+        named = naming(f'SOURCE / "{page}.md"')
+    selectors = [
+        {"file": "tests/test_site.py", "where": where},
+        {"file": "tests/test_page_blocks.py", "where": where},
+        *(
+            {"file": f}
+            for f in named
+            if f not in ("tests/test_site.py", "tests/test_page_blocks.py")
+        ),
+    ]
+    plan.add(
+        path,
+        "its build and tests in every language (tests/test_site.py), its typed "
+        "blocks (tests/test_page_blocks.py)"
+        + (f", the test files that name it ({', '.join(named)})" if named else ""),
+        *selectors,
+    )
+
+
+def map_catalog(plan, path, lang):
+    rest = path.split("/LC_MESSAGES/", 1)[1].rsplit(".", 1)[0]
+    rules = f"tests/test_translations_{lang}.py"
+    selectors = [{"file": rules}] if (ROOT / rules).is_file() else []
+    plan.add(
+        path,
+        f"its page in {lang} (tests/test_site.py) and {lang}'s rule tests",
+        {"file": "tests/test_site.py", "where": {"page": [rest], "lang": [lang]}},
+        *selectors,
+    )
+
+
+def plan_for(changes, records):
+    """The Plan for [(status, path)]; records: {example: {test ids}}."""
+    plan = Plan()
+    for status, path in changes:
+        shared = next((why for pattern, why in SHARED if re.match(pattern, path)), None)
+        if shared:
+            plan.everything.append(f"{path}: {shared}")
+        elif path.startswith("examples/"):
+            map_example(plan, path, records, status)
+        elif re.match(r"source/.+\.(md|rst)$", path) and not path.startswith("source/_"):
+            map_page(plan, path)
+        elif any(re.match(pattern, path) for pattern in SITE_WIDE):
+            lang = re.match(r"locale/([^/]+)/", path)
+            if lang and lang[1] in LANGUAGES:
+                plan.add(
+                    path,
+                    f"every page in {lang[1]} (tests/test_site.py)",
+                    {"file": "tests/test_site.py", "where": {"lang": [lang[1]]}},
+                )
+            elif lang:  # English search terms
+                plan.add(
+                    path,
+                    "every page in en (tests/test_site.py)",
+                    {"file": "tests/test_site.py", "where": {"lang": [lang[1]]}},
+                )
+            else:
+                plan.add(
+                    path, "the whole site (tests/test_site.py)", {"file": "tests/test_site.py"}
+                )
+        elif m := re.match(r"locale/([^/]+)/LC_MESSAGES/.+\.po$", path):
+            map_catalog(plan, path, m[1])
+        elif m := re.match(r"locale/([^/]+)/", path):
+            rules = f"tests/test_translations_{m[1]}.py"
+            extra = [{"file": rules}] if (ROOT / rules).is_file() else []
+            plan.add(path, f"{m[1]}'s translation checks", *extra)
+        elif re.match(r"tests/records/[^/]+\.json$", path):
+            plan.add(
+                path,
+                "the stamps of every page (tests/test_site.py)",
+                {
+                    "file": "tests/test_site.py",
+                    "where": {
+                        "originalname": [
+                            "test_page_shows_a_stamp_from_the_records",
+                            "test_language_builds_strict_and_clean",
+                        ]
+                    },
+                },
+            )
+        elif re.match(r"tests/records/", path):
+            plan.add(path, "a kept GPU run: the records' checks")
+        elif re.match(r"tests/test_[^/]+\.py$", path):
+            if status == "D":
+                plan.add(path, "deleted: the static checks")
+                continue
+            module = Path(path).stem
+            users = [f for f in importers(module) if f != path]
+            plan.add(
+                path,
+                "all of it" + (f", and {', '.join(users)}, which import it" if users else ""),
+                *({"file": f} for f in [path, *users]),
+            )
+        elif path.startswith("tests/tools/"):
+            users = naming(Path(path).name)
+            if users:
+                plan.add(
+                    path,
+                    f"the test files that use it ({', '.join(users)})",
+                    *({"file": f} for f in users),
+                )
+            else:
+                plan.add(path, "no test runs it: lint and shellcheck (the static checks)")
+        else:
+            why = next((why for pattern, why in STATIC_ONLY if re.match(pattern, path)), None)
+            if why:
+                plan.add(path, f"{why}: the static checks")
+            else:
+                plan.everything.append(f"{path}: no rule maps it")
+    return plan
+
+
+def pytest_command(plan, extra):
+    python = ROOT / ".venv" / "bin" / "python"
+    python = python if python.is_file() else Path(sys.executable)
+    return [str(python), "-m", "pytest", *([] if plan.everything else plan.files()), *extra]
+
+
+def main(argv):
+    extra = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, extra = argv[:at], argv[at + 1 :]
+    show_only = "--plan" in argv
+    argv = [a for a in argv if a != "--plan"]
+    base = argv[0] if argv else "main"
+    try:
+        fork, changes = changed_files(base)
+    except subprocess.CalledProcessError as error:
+        sys.exit(
+            f"test-changed: error: git cannot compare with {base!r}: "
+            f"{error.stderr.strip().splitlines()[-1] if error.stderr.strip() else error}"
+        )
+    print(
+        f">>> test-changed: what differs from {base} (merge-base {fork[:9]}): {len(changes)} files"
+    )
+    if not changes:
+        print(">>> test-changed: nothing differs: nothing to run")
+        return 0
+    plan = plan_for(changes, load_records(fork))
+    for path, what in plan.reasons:
+        print(f"    {path}: {what}")
+    if plan.everything:
+        print(">>> test-changed: running everything (make test), because")
+        for reason in plan.everything:
+            print(f"    {reason}")
+    else:
+        print(
+            f">>> test-changed: the static checks ({' '.join(Path(f).name for f in STATIC)}), "
+            f"and {len(plan.selectors)} selectors over {len(plan.files())} test files"
+        )
+    command = pytest_command(plan, extra)
+    if show_only:
+        print(" ".join(command))
+        return 0
+    env = dict(os.environ)
+    start = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="test-changed-") as scratch:
+        if not plan.everything:
+            selection = Path(scratch, "selection.json")
+            selection.write_text(json.dumps({"always": STATIC, "selectors": plan.selectors}))
+            env["TESTS_SELECTION"] = str(selection)
+        code = subprocess.run(command, cwd=ROOT, env=env, check=False).returncode
+        fallback = Path(scratch, "selection.json.missing")
+        missing = json.loads(fallback.read_text()) if fallback.is_file() else []
+    for test in missing:
+        print(f">>> test-changed: {test} no longer exists: ran all of {test.split('::')[0]}")
+    minutes = (time.monotonic() - start) / 60
+    what = "everything" if plan.everything else "the selection"
+    verdict = "passed" if code == 0 else f"FAILED (pytest exit {code})"
+    print(f">>> test-changed: {what} {verdict} in {minutes:.1f} min")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
