@@ -42,6 +42,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = "tests"
 # make test-quick: the static checks that read every file.
+# The records' state: checked after the run, on the records it wrote (TESTS_RECORDS=worktree).
+RECORD_STATE = [
+    "tests/test_records.py::test_committed_records_describe_the_files_as_they_are",
+    "tests/test_records.py::test_committed_records_are_of_passing_tests",
+    "tests/test_records.py::test_every_script_has_a_record",
+    "tests/test_records.py::test_job_scripts_have_scheduler_records",
+]
 STATIC = [
     "tests/test_pages.py",
     "tests/test_translations.py",
@@ -305,9 +312,17 @@ def plan_for(changes, records):
 
 
 def pytest_command(plan, extra):
+    """The run: the selection (or everything), the records' state left for afterwards."""
     python = ROOT / ".venv" / "bin" / "python"
     python = python if python.is_file() else Path(sys.executable)
-    return [str(python), "-m", "pytest", *([] if plan.everything else plan.files()), *extra]
+    deselect = [arg for test in RECORD_STATE for arg in ("--deselect", test)]
+    return [str(python), "-m", "pytest", *([] if plan.everything else plan.files()), *deselect,
+            *extra]  # fmt: skip
+
+
+def records_command(command):
+    """The records' state, on what the run wrote (TESTS_RECORDS=worktree), in this process."""
+    return [command[0], "-m", "pytest", "-q", "-n", "0", *RECORD_STATE]
 
 
 def main(argv):
@@ -359,10 +374,16 @@ def main(argv):
         missing = json.loads(fallback.read_text()) if fallback.is_file() else []
     for test in missing:
         print(f">>> test-changed: {test} no longer exists: ran all of {test.split('::')[0]}")
+    print(">>> test-changed: the records this run wrote describe the files as they are now")
+    checked = {**os.environ, "TESTS_RECORDS": "worktree", "PYTORCH_ON_HPC_RECORDS": "0"}
+    records = subprocess.run(records_command(command), cwd=ROOT, env=checked, check=False)
+    code = code or records.returncode
     minutes = (time.monotonic() - start) / 60
     what = "everything" if plan.everything else "the selection"
     verdict = "passed" if code == 0 else f"FAILED (pytest exit {code})"
     print(f">>> test-changed: {what} {verdict} in {minutes:.1f} min")
+    if code == 0 and any(path.startswith("examples/") for _, path in changes):
+        print(">>> test-changed: commit tests/records/ with your change")
     return code
 
 
