@@ -5,9 +5,9 @@ tests (tests/test_site.py) share what it builds.
 
 Each language is built with `sphinx-build -b html -E -W --keep-going` into the cache
 (PYTORCH_ON_HPC_CACHE/site/<key>/<lang>/, key: a digest of everything the build reads: the
-pages, catalogs, examples, records, configuration, extensions, the site file and the
-environment variables conf.py reads, the options and the Sphinx and Python versions), then
-copied to OUT/<lang>/. A language whose key is already in the cache is not built again: the
+pages, the language's own folder in locale/ (a French catalog changes French's key only),
+examples, records, configuration, extensions, the site file and the environment variables
+conf.py reads, the options and the Sphinx and Python versions), then copied to OUT/<lang>/. A language whose key is already in the cache is not built again: the
 same inputs give the same pages and the same verdict, so a second `make test`, or the tests
 after `make html-all`, reuse the build. Builds that failed are not kept. Languages are built
 side by side, one process each.
@@ -43,8 +43,10 @@ def cache_root():
     return Path(base) / "site"
 
 
-def _files():
+def _files(lang):
     for name in INPUTS:
+        if name == "locale":  # a language reads its own folder there only
+            name = f"locale/{lang}"
         path = ROOT / name
         if path.is_file():
             yield path
@@ -60,7 +62,7 @@ def key(lang, options=()):
     import sphinx  # noqa: PLC0415 (the venv's; only when a key is needed)
 
     digest = hashlib.sha256()
-    for path in _files():
+    for path in _files(lang):
         digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes() + b"\0")
     site = os.environ.get("PYTORCH_ON_HPC_SITE")
     if site and Path(site).is_file():
