@@ -363,9 +363,23 @@ def _missing_fonts():
     return "; ".join(wrong)
 
 
+def browsed(items):
+    """(languages, pages) the browser tests among items look at: every one in make test, the
+    changed page's in make test-changed. English always: translated pages are compared with it."""
+    langs, pages = {"en"}, set()
+    for item in items:
+        if "browser" in getattr(item, "fixturenames", ()):
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            langs.add(params.get("lang", "en"))
+            if "page" in params:
+                pages.add(params["page"])
+    return [lang for lang in LANGUAGES if lang in langs], [page for page in PAGES if page in pages]
+
+
 @pytest.fixture(scope="module")
-def browser(site):
-    """What Chromium saw, per language: the four languages run side by side."""
+def browser(site, request):
+    """What Chromium saw, per language: the languages run side by side, each over the pages of
+    the selected tests (browsed())."""
     if shutil.which("chromium") is None:
         pytest.skip("chromium is not installed: run `make system-packages` as root")
     node_modules = TESTS / "node" / "node_modules"
@@ -383,9 +397,10 @@ def browser(site):
     runs = {}
     try:
         port = re.search(r"port (\d+)", server.stdout.readline())[1]
-        for lang in LANGUAGES:
+        langs, pages = browsed(request.session.items)
+        for lang in langs:
             config = {
-                "base": f"http://127.0.0.1:{port}", "lang": lang, "pages": PAGES,
+                "base": f"http://127.0.0.1:{port}", "lang": lang, "pages": pages,
                 "searches": [query for query, _ in searches(lang)],
                 "copyPage": "getting-started/install", "tabsPage": "getting-started/first-job",
                 "sectionLink": ["distributed/ddp", "two-timeouts-start-up-and-collectives"],
