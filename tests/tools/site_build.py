@@ -7,9 +7,10 @@ Each language is built with `sphinx-build -b html -E -W --keep-going` into the c
 (PYTORCH_ON_HPC_CACHE/site/<key>/<lang>/, key: a digest of everything the build reads: the
 pages, the language's own folder in locale/ (a French catalog changes French's key only),
 examples, records, configuration, extensions, the site file and the environment variables
-conf.py reads, the options and the Sphinx and Python versions), then copied to OUT/<lang>/. A language whose key is already in the cache is not built again: the
-same inputs give the same pages and the same verdict, so a second `make test`, or the tests
-after `make html-all`, reuse the build. Builds that failed are not kept. Languages are built
+conf.py reads, the options and the Sphinx and Python versions), then copied to OUT/<lang>/.
+A language whose key is already in the cache is not built again: the same inputs give the same
+pages and the same verdict, so a second `make test`, or the tests after `make html-all`, reuse
+the build. Builds that failed are not kept. Languages are built
 side by side, one process each.
 
 Prints one line per language (built or reused, seconds) and, for a failed build, its
