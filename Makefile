@@ -41,7 +41,8 @@ lang := $(or $(patsubst -Dlanguage=%,%,$(filter -Dlanguage=%,$(SPHINXOPTS))),en)
 SPHINXBUILD = $(VENV)/bin/sphinx-build
 
 .DEFAULT_GOAL := help
-.PHONY: help venv html html-all gettext update-po test test-quick test-gpu test-slurm linkcheck serve \
+.PHONY: help venv html html-all gettext update-po test test-quick test-changed test-gpu test-slurm \
+        linkcheck serve \
         clean clean-venv clean-cache system-packages node-packages slurm-up slurm-down \
         test-pbs pbs-up pbs-down \
         check-site edition site-check
@@ -52,7 +53,9 @@ help:
 	@echo "make gettext    extract the English messages into $(BUILDDIR)/gettext/"
 	@echo "make update-po  extract, update locale/<lang>/LC_MESSAGES/*.po, normalise wrapping"
 	@echo "make test       the CPU test suite (examples, pages, translations, search)"
-	@echo "make test-quick lint, includes, catalogs, records: about a minute, no example runs"
+	@echo "make test-quick lint, includes, catalogs, records: about two minutes, no example runs"
+	@echo "make test-changed  the tests that cover what differs from main (BASE=commit for another),"
+	@echo "                  with the static checks; says what it runs and why"
 	@echo "make test-gpu   the GPU tests (uses the active python if it has torch)"
 	@echo "make test-slurm only the tests that submit job scripts to the tests' Slurm cluster (root)"
 	@echo "make slurm-up   start that cluster by hand (root); make slurm-down stops it"
@@ -131,6 +134,13 @@ QUICK := tests/test_pages.py tests/test_translations.py tests/test_records.py \
 test-quick: venv
 	@echo ">>> Quick checks (no example runs; make test runs everything)"
 	$(VPY) -m pytest $(QUICK) $(PYTEST_ARGS)
+
+# The tests that cover what differs from BASE (uncommitted edits and new files included), with
+# the static checks of test-quick; a change it cannot map runs everything (tests/tools/changed.py
+# prints what it maps and why). Extra pytest options: PYTEST_ARGS, as for make test.
+BASE ?= main
+test-changed: venv system-packages node-packages
+	@$(VPY) tests/tools/changed.py $(BASE) -- $(PYTEST_ARGS)
 
 # GPU tests. A GPU machine may reach no package registry: use the active python when it has
 # torch (and pytest), else the venv.

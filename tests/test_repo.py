@@ -1,11 +1,13 @@
 """The repository's own plumbing: pins, versions, Makefile targets, CI workflows."""
 
+import os
 import platform
 import re
 import subprocess
 
 import pytest
 import torch
+import yaml
 
 from conftest import ROOT, TESTS, VERSIONS, require_command
 
@@ -40,6 +42,7 @@ def test_tests_run_on_the_versions_the_pages_name():
         "update-po",
         "test",
         "test-quick",
+        "test-changed",
         "test-gpu",
         "linkcheck",
         "serve",
@@ -100,3 +103,26 @@ def test_every_modulefile_of_the_test_site_loads(module, job_env):
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert proc.returncode == 0 and module in proc.stdout + proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("ci", ["true", ""])
+def test_ci_uses_the_machines_cache_when_no_other_is_named(tmp_path, ci):
+    """A CI run on a machine that ran the suite before (CI=true or not) reuses its builds;
+    GitHub's workflow names the folder actions/cache keeps."""
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "CI": ci}
+    plan = lambda **extra: subprocess.run(  # noqa: E731
+        ["bash", ROOT / ".ci" / "run", "--plan"], env={**env, **extra}, capture_output=True,
+        text=True, check=True,
+    ).stdout  # fmt: skip
+    assert plan() == f"cache: {tmp_path}/.cache/pytorch-on-hpc\n"
+    assert plan(XDG_CACHE_HOME="/xdg") == "cache: /xdg/pytorch-on-hpc\n"
+    assert plan(PYTORCH_ON_HPC_CACHE="/kept") == "cache: /kept\n"
+
+
+def test_githubs_workflow_runs_with_the_cache_it_keeps():
+    workflow = yaml.safe_load((ROOT / ".github" / "workflows" / "ci.yml").read_text())
+    steps = workflow["jobs"]["test"]["steps"]
+    kept = next(step for step in steps if step.get("uses", "").startswith("actions/cache"))
+    run = next(step for step in steps if ".ci/run" in step.get("run", ""))
+    assert run["env"]["PYTORCH_ON_HPC_CACHE"] == "${{ github.workspace }}/" + kept["with"]["path"]
+    assert "PYTORCH_ON_HPC_CACHE" in run["run"].split("--preserve-env=")[1].split()[0]

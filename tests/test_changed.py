@@ -1,0 +1,203 @@
+"""make test-changed (tests/tools/changed.py): what each kind of change brings in, that a change
+nobody mapped runs everything, that git's view of a change is read right, and that conftest
+keeps exactly the selection."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import EXAMPLES, ROOT, TESTS
+
+sys.path.insert(0, str(TESTS / "tools"))
+import changed  # noqa: E402 (tests/tools/changed.py: make test-changed)
+
+RECORDS = {
+    "ddp/ddp.py": {"tests/test_ddp.py::test_torchrun_trains_two_replicas",
+                   "tests/test_slurm.py::test_job_script_completes_under_slurm[ddp/ddp.sbatch]"},
+    "ddp/ddp.sbatch": {"tests/test_slurm.py::test_job_script_completes_under_slurm[ddp/ddp.sbatch]",
+                       "tests/test_pages.py::test_shell_script_parses_and_passes_shellcheck"
+                       "[examples/ddp/ddp.sbatch]"},
+}  # fmt: skip
+
+
+def plan(*paths, status="M", records=RECORDS):
+    return changed.plan_for([(status, path) for path in paths], records)
+
+
+def test_an_example_brings_in_the_tests_that_ran_it():
+    found = plan("examples/ddp/ddp.py")
+    assert found.everything == []
+    assert found.selectors == [{"id": test} for test in sorted(RECORDS["ddp/ddp.py"])]
+    assert found.files() == sorted({*changed.STATIC, "tests/test_ddp.py", "tests/test_slurm.py"})
+
+
+def test_a_job_script_brings_in_its_runs_under_the_scheduler():
+    found = plan("examples/ddp/ddp.sbatch")
+    assert {s["id"] for s in found.selectors} == RECORDS["ddp/ddp.sbatch"]
+
+
+def test_a_new_example_brings_in_the_tests_that_name_it_and_its_bad_input_cases():
+    # check_pytorch.py as if no test had run it yet: the test files that name it
+    found = plan("examples/install/check_pytorch.py", status="A", records={})
+    assert found.everything == []
+    files = {s["file"] for s in found.selectors}
+    assert {"tests/test_install.py", "tests/test_bad_input.py"} <= files
+    bad_input = next(s for s in found.selectors if s["file"] == "tests/test_bad_input.py")
+    assert bad_input["where"] == {"script": ["examples/install/check_pytorch.py"]}
+    assert bad_input["strict"]
+
+
+def test_a_new_example_no_test_names_runs_everything():
+    path = "examples/nowhere/" + "nobody_runs_" + "me.py"  # in pieces: this file names no such file
+    found = plan(path, status="A", records={})
+    assert found.everything == [f"{path}: no record and no test names it"]
+
+
+def test_a_page_brings_in_its_build_its_tests_and_the_tests_that_read_it():
+    found = plan("source/monitoring/hangs.md")
+    assert found.everything == []
+    assert {
+        "file": "tests/test_site.py",
+        "where": {"page": ["monitoring/hangs"]},
+    } in found.selectors
+    assert {"file": "tests/test_page_blocks.py", "where": {"page": ["monitoring/hangs"]}} in (
+        found.selectors
+    )
+    assert {"file": "tests/test_monitoring.py"} in found.selectors  # it reads the page's text
+
+
+def test_a_catalog_brings_in_its_language_and_page_and_the_languages_rules():
+    found = plan("locale/fr/LC_MESSAGES/monitoring/hangs.po")
+    assert found.selectors == [
+        {"file": "tests/test_site.py", "where": {"page": ["monitoring/hangs"], "lang": ["fr"]}},
+        {"file": "tests/test_translations_fr.py"},
+    ]
+
+
+def test_the_interface_catalog_brings_in_every_page_of_its_language():
+    found = plan("locale/ja/LC_MESSAGES/sphinx.po")
+    assert found.selectors == [{"file": "tests/test_site.py", "where": {"lang": ["ja"]}}]
+
+
+def test_a_test_file_brings_in_itself_and_the_files_that_import_it():
+    found = plan("tests/test_pbs.py")
+    assert {s["file"] for s in found.selectors} == {
+        "tests/test_pbs.py",
+        "tests/test_pbs_launcher.py",
+    }
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["tests/conftest.py", "tests/records.py", "tests/slurm/cluster.sh", "edition/generate.py",
+     "tests/sites/pbs-test-complex.toml", "Makefile", "requirements.txt", "pyproject.toml"],
+)  # fmt: skip
+def test_what_every_test_shares_runs_everything(path):
+    found = plan("examples/ddp/ddp.py", path)
+    assert len(found.everything) == 1 and found.everything[0].startswith(f"{path}: ")
+
+
+def test_a_file_no_rule_maps_runs_everything_and_says_so():
+    found = plan("somewhere/new.cfg")
+    assert found.everything == ["somewhere/new.cfg: no rule maps it"]
+
+
+def test_documents_and_workflows_bring_in_the_static_checks():
+    found = plan("README.md", ".github/workflows/ci.yml", ".ci/run")
+    assert (found.everything, found.selectors) == ([], [])
+    assert found.files() == sorted(changed.STATIC)
+
+
+def test_records_bring_in_every_pages_stamp():
+    (found,) = plan("tests/records/cpu.json").selectors
+    assert found["file"] == "tests/test_site.py"
+    assert "test_page_shows_a_stamp_from_the_records" in found["where"]["originalname"]
+
+
+def git(folder, *args):
+    subprocess.run(["git", "-C", folder, *args], check=True, capture_output=True)
+
+
+def test_changes_are_commits_edits_new_files_and_renames(tmp_path, monkeypatch):
+    git(tmp_path, "init", "-q", "-b", "main")
+    git(tmp_path, "config", "user.email", "t@example.org")
+    git(tmp_path, "config", "user.name", "t")
+    for name in ("a.py", "b.py", "c.py"):
+        (tmp_path / name).write_text(name)
+    git(tmp_path, "add", ".")
+    git(tmp_path, "commit", "-qm", "base")
+    git(tmp_path, "checkout", "-qb", "work")
+    (tmp_path / "a.py").write_text("committed change")
+    git(tmp_path, "commit", "-qam", "change")
+    (tmp_path / "b.py").write_text("uncommitted change")
+    git(tmp_path, "mv", "c.py", "d.py")
+    (tmp_path / "e.py").write_text("new, not added")
+    monkeypatch.setattr(changed, "ROOT", tmp_path)
+    _, found = changed.changed_files("main")
+    assert found == [("M", "a.py"), ("M", "b.py"), ("D", "c.py"), ("A", "d.py"), ("A", "e.py")]
+
+
+def test_an_unknown_base_is_one_line():
+    proc = subprocess.run(
+        [sys.executable, TESTS / "tools" / "changed.py", "no-such-branch", "--plan"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("test-changed: error: git cannot compare with 'no-such-branch'")
+
+
+def collected(tmp_path, selection, *files):
+    """The test ids pytest keeps from files under selection (conftest.select)."""
+    path = tmp_path / "selection.json"
+    path.write_text(json.dumps(selection))
+    env = {**os.environ, "TESTS_SELECTION": str(path), "PYTORCH_ON_HPC_RECORDS": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0",
+         "-p", "no:cacheprovider", *files],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    missing = path.with_name("selection.json.missing")
+    return (
+        {line for line in proc.stdout.splitlines() if "::" in line},
+        json.loads(missing.read_text()) if missing.is_file() else [],
+    )
+
+
+def test_conftest_keeps_a_pages_tests_and_the_site_wide_ones(tmp_path):
+    kept, _ = collected(
+        tmp_path,
+        {"always": [], "selectors": [{"file": "tests/test_site.py",
+                                      "where": {"page": ["monitoring/hangs"], "lang": ["fr"]}}]},
+        "tests/test_site.py",
+    )  # fmt: skip
+    paged = [test for test in kept if "[" in test and "/" in test.split("[")[1]]
+    assert paged and all("[monitoring/hangs-fr]" in test for test in paged), paged
+    assert "tests/test_site.py::test_every_internal_link_resolves" in kept
+    assert "tests/test_site.py::test_search_finds_the_install_page[fr]" in kept
+    assert "tests/test_site.py::test_search_finds_the_install_page[en]" not in kept
+
+
+def test_conftest_keeps_one_scripts_bad_input_cases_only(tmp_path):
+    kept, _ = collected(
+        tmp_path,
+        {"always": [], "selectors": [{"file": "tests/test_bad_input.py", "strict": True,
+                                      "where": {"script": ["examples/ddp/ddp.py"]}}]},
+        "tests/test_bad_input.py",
+    )  # fmt: skip
+    assert kept and all(test.endswith("[ddp/ddp.py]") for test in kept), kept
+
+
+def test_a_recorded_test_that_no_longer_exists_brings_in_its_file(tmp_path):
+    gone = "tests/test_repo.py::test_that_was_renamed"
+    kept, missing = collected(
+        tmp_path,
+        {"always": [], "selectors": [{"id": gone}]},
+        "tests/test_repo.py", "tests/test_records.py",
+    )  # fmt: skip
+    assert missing == [gone]
+    assert {test.split("::")[0] for test in kept} == {"tests/test_repo.py"}
+    assert (EXAMPLES / "ddp" / "ddp.py").is_file()
