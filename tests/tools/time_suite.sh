@@ -1,20 +1,31 @@
 #!/bin/bash
-# The benchmark of the test suite itself (README.md, "How long make test takes"): clone the
-# repository afresh, as a contributor or CI does, and time `make test` there (the venv made
-# from requirements.txt included), then print one row for README's table.
+# The benchmark of the test suite itself: clone the repository afresh, as a contributor or CI
+# does, time what a mode runs there, and add one row to the measurement log beside this file,
+# tests/tools/suite-times.md (README.md shows the latest figures).
 #
-#   bash tests/tools/time_suite.sh warm   # the machine's cache as it is (Horovod's wheel,
-#                                         # DeepSpeed's ops, the site builds): the usual case
-#   bash tests/tools/time_suite.sh cold   # an empty cache: everything built again
-#   bash tests/tools/time_suite.sh busy   # warm, with a second suite running beside it
+#   bash tests/tools/time_suite.sh warm     # make test, the machine's cache as it is (OpenPBS,
+#                                           # Horovod's wheel, DeepSpeed's ops, the site builds)
+#   bash tests/tools/time_suite.sh cold     # make test, an empty cache: everything built again
+#   bash tests/tools/time_suite.sh busy     # warm, with a second suite running beside it
+#   bash tests/tools/time_suite.sh ci       # CI=true .ci/run, as this workplace's CI runs it
+#   bash tests/tools/time_suite.sh changed [FILE]   # make test-changed after a one-line change
+#                                           # to FILE (examples/troubleshooting/memory_growth.py);
+#                                           # the clone's venv is made first, not timed
 #
-# Needs root (the Slurm and Grid Engine tests), the system packages (make system-packages) and
-# a committed tree: the clone has what HEAD has. The clone and its logs stay in
+# The clone has a venv of its own (made from requirements.txt, timed except in `changed`).
+# Needs root (the schedulers' tests), the system packages (make system-packages) and a
+# committed tree: the clone has what HEAD has. The clone and its logs stay in
 # ${TMPDIR:-/tmp}/time-suite-<mode>/ for a look afterwards.
 set -euo pipefail
 mode=${1:-warm}
-case $mode in warm | cold | busy) ;; *) echo "usage: $0 warm|cold|busy" >&2; exit 2 ;; esac
+case $mode in warm | cold | busy | ci | changed) ;; *)
+    echo "usage: $0 warm|cold|busy|ci|changed [FILE]" >&2
+    exit 2
+    ;;
+esac
+file=${2:-examples/troubleshooting/memory_growth.py}
 repo=$(git -C "$(dirname "$0")/../.." rev-parse --show-toplevel)
+log=$repo/tests/tools/suite-times.md
 work=${TMPDIR:-/tmp}/time-suite-$mode
 rm -rf "$work"
 mkdir -p "$work"
@@ -22,22 +33,45 @@ clone() {
     git clone --quiet "$repo" "$1"
 }
 clone "$work/clone"
-if [[ $mode == cold ]]; then
-    export PYTORCH_ON_HPC_CACHE=$work/empty-cache
-fi
-if [[ $mode == busy ]]; then  # a second suite beside it, in a clone of its own
+command=(make test)
+what="\`make test\` in a fresh clone, $mode"
+case $mode in
+cold) export PYTORCH_ON_HPC_CACHE=$work/empty-cache ;;
+busy) # a second suite beside it, in a clone of its own
     clone "$work/other"
     (cd "$work/other" && make test >"$work/other.log" 2>&1) &
     other=$!
-fi
+    ;;
+ci)
+    command=(env CI=true bash .ci/run)
+    what="\`CI=true .ci/run\` on a fresh clone"
+    ;;
+changed)
+    [[ -f $work/clone/$file ]] || { echo "$0: no $file in the repository" >&2; exit 2; }
+    (cd "$work/clone" && make venv) >"$work/venv.log" 2>&1
+    echo "# a one-line change" >>"$work/clone/$file"
+    command=(make test-changed)
+    what="\`make test-changed\` after a one-line change to \`$file\` (venv made before)"
+    ;;
+esac
 start=$SECONDS
 status=0
-(cd "$work/clone" && make test) >"$work/make-test.log" 2>&1 || status=$?
+(cd "$work/clone" && "${command[@]}") >"$work/run.log" 2>&1 || status=$?
 seconds=$((SECONDS - start))
 if [[ $mode == busy ]]; then
     wait "$other" || echo "the suite beside it failed: $work/other.log" >&2
 fi
-summary=$(grep -E '^=+ .*(passed|failed).* in ' "$work/make-test.log" | tail -1 | tr -d '=' | xargs)
-printf '| %s | %s | %d cores | %d min %02d s | %s | %s |\n' "$(date +%F)" "$mode" "$(nproc)" \
-    $((seconds / 60)) $((seconds % 60)) "$summary" "$(git -C "$repo" rev-parse --short HEAD)"
+summary=$(grep -E '^=+ .*(passed|failed).* in ' "$work/run.log" | head -1 | tr -d '=' | xargs)
+if [[ $mode == ci ]]; then
+    summary="$(grep -o 'make test: [0-9]* s' "$work/run.log" | tail -1); $summary"
+fi
+if [[ $mode == changed ]]; then
+    summary="$(grep -c '^    examples/' "$work/run.log" || true) example mapped; $summary"
+fi
+[[ $status == 0 ]] || summary="FAILED (exit $status): $summary"
+row=$(printf '| %s | %s | %s | %d cores | %d min %02d s | %s |' "$(date +%F)" "$what" \
+    "$(git -C "$repo" rev-parse --short HEAD)" "$(nproc)" $((seconds / 60)) $((seconds % 60)) \
+    "$summary")
+echo "$row"
+echo "$row" >>"$log"
 exit "$status"
