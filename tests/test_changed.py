@@ -30,8 +30,20 @@ def plan(*paths, status="M", records=RECORDS):
 def test_an_example_brings_in_the_tests_that_ran_it():
     found = plan("examples/ddp/ddp.py")
     assert found.everything == []
-    assert found.selectors == [{"id": test} for test in sorted(RECORDS["ddp/ddp.py"])]
-    assert found.files() == sorted({*changed.STATIC, "tests/test_ddp.py", "tests/test_slurm.py"})
+    assert [{"id": test} for test in sorted(RECORDS["ddp/ddp.py"])] == found.selectors[:2]
+    assert found.files() == sorted(
+        {*changed.STATIC, "tests/test_ddp.py", "tests/test_slurm.py", "tests/test_site.py"}
+    )
+
+
+def test_an_example_brings_in_the_english_build_of_the_pages_that_include_it():
+    found = plan("examples/hangs/hang_demo.py", records={"hangs/hang_demo.py": {"t.py::t"}})
+    assert {
+        "id": "tests/test_site.py::test_language_builds_strict_and_clean[en]"
+    } in found.selectors
+    (pages,) = [s for s in found.selectors if s.get("where", {}).get("page")]
+    assert (pages["where"]["page"], pages["where"]["lang"]) == (["monitoring/hangs"], ["en"])
+    assert pages["strict"]
 
 
 def test_a_job_script_brings_in_its_runs_under_the_scheduler():
@@ -43,9 +55,9 @@ def test_a_new_example_brings_in_the_tests_that_name_it_and_its_bad_input_cases(
     # check_pytorch.py as if no test had run it yet: the test files that name it
     found = plan("examples/install/check_pytorch.py", status="A", records={})
     assert found.everything == []
-    files = {s["file"] for s in found.selectors}
+    files = {s.get("file") for s in found.selectors}
     assert {"tests/test_install.py", "tests/test_bad_input.py"} <= files
-    bad_input = next(s for s in found.selectors if s["file"] == "tests/test_bad_input.py")
+    bad_input = next(s for s in found.selectors if s.get("file") == "tests/test_bad_input.py")
     assert bad_input["where"] == {"script": ["examples/install/check_pytorch.py"]}
     assert bad_input["strict"]
 
@@ -179,6 +191,25 @@ def test_conftest_keeps_a_pages_tests_and_the_site_wide_ones(tmp_path):
     assert "tests/test_site.py::test_every_internal_link_resolves" in kept
     assert "tests/test_site.py::test_search_finds_the_install_page[fr]" in kept
     assert "tests/test_site.py::test_search_finds_the_install_page[en]" not in kept
+
+
+def test_the_site_builds_only_the_languages_of_the_selected_tests(tmp_path):
+    """An example's selection builds English only; a test over every language builds all."""
+    script = (
+        "import sys; sys.path.insert(0, 'tests'); import test_site\n"
+        "class Item:\n"
+        "    def __init__(self, **params):\n"
+        "        self.path, self.fixturenames = test_site.ROOT / 'test_site.py', ['site']\n"
+        "        self.callspec = type('C', (), {'params': params})() if params else None\n"
+        "print(test_site.built([Item(lang='fr', page='x')]), test_site.built([Item(lang='en')]),\n"
+        "      test_site.built([Item(lang='fr'), Item()]))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert proc.stdout.split("] [") == [
+        "['en', 'fr'", "'en'", "'en', 'zh_CN', 'ja', 'fr']\n"
+    ]  # fmt: skip
 
 
 def test_conftest_keeps_one_scripts_bad_input_cases_only(tmp_path):

@@ -63,14 +63,29 @@ class Page(HTMLParser):
             self.tabs[-1] += data.strip()
 
 
+def built(items):
+    """The languages the selected tests of the site need: all four in make test, or when a
+    test that looks at every language (links, search, the root page) is selected; otherwise
+    those the tests name, and English, which translated pages are compared with (make
+    test-changed after a change to one catalog or example)."""
+    langs = {"en"}
+    for item in items:
+        if item.path.name == "test_site.py" and "site" in getattr(item, "fixturenames", ()):
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            if "lang" not in params:
+                return LANGUAGES
+            langs.add(params["lang"])
+    return [lang for lang in LANGUAGES if lang in langs]
+
+
 @pytest.fixture(scope="module")
-def site(tmp_path_factory):
-    """All four languages built fresh and strict (-E -W --keep-going), as make html-all does,
-    and with the same tool: a build of the same content (by make html-all before, or by an
-    earlier test run) is taken from the cache instead of being made again."""
+def site(tmp_path_factory, request):
+    """The languages (built()) built fresh and strict (-E -W --keep-going), as make html-all
+    does, and with the same tool: a build of the same content (by make html-all before, or by
+    an earlier test run) is taken from the cache instead of being made again."""
     out = tmp_path_factory.mktemp("html")
     builds = {}
-    for lang, (folder, result) in site_build.build_all(LANGUAGES).items():
+    for lang, (folder, result) in site_build.build_all(built(request.session.items)).items():
         builds[lang] = result
         if folder is not None:
             shutil.copytree(folder, out / lang)

@@ -162,14 +162,44 @@ def importers(module):
     return [name for name in test_files() if pattern.search((ROOT / name).read_text("utf-8"))]
 
 
+INCLUDE = re.compile(r"^[ \t]*(?:`{3,}|:{3,})\{literalinclude\} (\S+)$", re.M)
+
+
+def including(path):
+    """The pages (source/ paths without suffix) that literalinclude path."""
+    pages = []
+    for page in sorted((ROOT / "source").rglob("*.md")):
+        text = page.read_text(encoding="utf-8")
+        if any((page.parent / found).resolve() == ROOT / path for found in INCLUDE.findall(text)):
+            pages.append(page.relative_to(ROOT / "source").with_suffix("").as_posix())
+    return pages
+
+
+def shown_on(path):
+    """The English build and the tests of the pages that include path: a slice that no longer
+    finds its marker or :pyobject: fails the strict build."""
+    pages = including(path)
+    if not pages:
+        return "", []
+    where = {"page": pages, "lang": ["en"],
+             "originalname": ["test_every_included_example_can_be_downloaded",
+                              "test_page_shows_a_stamp_from_the_records"]}  # fmt: skip
+    return f"; the English build and the pages that include it ({', '.join(pages)})", [
+        {"id": "tests/test_site.py::test_language_builds_strict_and_clean[en]"},
+        {"file": "tests/test_site.py", "where": where, "strict": True},
+    ]
+
+
 def map_example(plan, path, records, status):
     name = path.removeprefix("examples/")
     recorded = sorted(records.get(name, ()))
+    pages, builds = shown_on(path) if status != "D" else ("", [])
     if recorded:
         plan.add(
             path,
-            f"{len(recorded)} tests that ran it (tests/records/)",
+            f"{len(recorded)} tests that ran it (tests/records/){pages}",
             *({"id": test} for test in recorded),
+            *builds,
         )
         return
     if status == "D":
@@ -187,8 +217,10 @@ def map_example(plan, path, records, status):
     plan.add(
         path,
         f"no record yet; the test files that name it ({', '.join(found)})"
-        + (" and its bad-input cases" if name.endswith(".py") else ""),
+        + (" and its bad-input cases" if name.endswith(".py") else "")
+        + pages,
         *selectors,
+        *builds,
     )
 
 
