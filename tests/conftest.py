@@ -35,6 +35,7 @@ from records import (  # noqa: F401 (hooks: pytest finds them by name in this mo
 from zygote import takes as zygote_takes
 
 ROOT = Path(__file__).resolve().parent.parent
+SESSION_START = time.time()  # when this test run started (conftest is imported first)
 EXAMPLES = ROOT / "examples"
 SOURCE = ROOT / "source"
 LOCALE = ROOT / "locale"

@@ -123,10 +123,16 @@ def test_documents_and_workflows_bring_in_the_static_checks():
     assert found.files() == sorted(changed.STATIC)
 
 
-def test_records_bring_in_every_pages_stamp():
-    (found,) = plan("tests/records/cpu.json").selectors
-    assert found["file"] == "tests/test_site.py"
-    assert "test_page_shows_a_stamp_from_the_records" in found["where"]["originalname"]
+def test_records_bring_in_the_stamps_of_the_pages_that_show_them(tmp_path, monkeypatch):
+    records = tmp_path / "tests" / "records"
+    records.mkdir(parents=True)
+    (records / "cpu.json").write_text(json.dumps({"examples": {"hangs/hang_demo.py": {"sha": 1}}}))
+    monkeypatch.setattr(changed, "ROOT", tmp_path)
+    monkeypatch.setattr(changed, "including", lambda path: {
+        "examples/hangs/hang_demo.py": ["monitoring/hangs"]}.get(path, []))  # fmt: skip
+    build, stamps = plan("tests/records/cpu.json").selectors
+    assert build == {"id": "tests/test_site.py::test_language_builds_strict_and_clean[en]"}
+    assert (stamps["where"]["page"], stamps["where"]["lang"]) == (["monitoring/hangs"], ["en"])
 
 
 def git(folder, *args):

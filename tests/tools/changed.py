@@ -10,15 +10,16 @@ How a file maps (the first rule that matches wins):
 
 - anything the tests share (conftest, the test helpers, the schedulers' setup, the site files,
   the edition, the Makefile, requirements, pytest settings): everything, as `make test`;
-- an example: the tests that ran it, from tests/records/ (the working tree's and BASE's);
-  a new example no record names yet: the test files that name it and its bad-input cases;
+- an example: the tests that ran it, from tests/records/ (the working tree's and BASE's), and
+  the English build of the pages that include it; a new example no record names yet: the test
+  files that name it and its bad-input cases;
 - a page: its build in every language, its tests in tests/test_site.py and
   tests/test_page_blocks.py, the site-wide tests, and the test files that name the page;
 - a catalog: that language's build, its pages' tests in tests/test_site.py, its rule tests;
 - a test file: all of it, and the test files that import it;
 - a tool in tests/tools/: the test files that name it;
 - the site's extensions, templates and configuration: the whole tests/test_site.py;
-- the records: the stamps of every page and tests/test_records.py;
+- the records: the English build and the stamps of the pages whose examples' records changed;
 - README, workflows, CI: the static checks.
 
 The static checks that read every file (make test-quick: lint, includes, catalogs, records,
@@ -250,6 +251,30 @@ def map_page(plan, path):
     )
 
 
+def map_records(plan, path, fork):
+    """A record shows on the pages that include its example: their stamps, in English."""
+
+    def examples(text):
+        return json.loads(text).get("examples", {}) if text else {}
+
+    now = examples((ROOT / path).read_text(encoding="utf-8") if (ROOT / path).is_file() else "")
+    try:
+        before = examples(git("show", f"{fork}:{path}")) if fork else {}
+    except subprocess.CalledProcessError:
+        before = {}
+    names = sorted(name for name in now.keys() | before.keys() if now.get(name) != before.get(name))
+    pages = sorted({page for name in names for page in including(f"examples/{name}")})
+    where = {"page": pages, "lang": ["en"],
+             "originalname": ["test_page_shows_a_stamp_from_the_records"]}  # fmt: skip
+    plan.add(
+        path,
+        f"the English stamps of the pages that show its {len(names)} changed records "
+        f"({', '.join(pages) or 'none'})",
+        {"id": "tests/test_site.py::test_language_builds_strict_and_clean[en]"},
+        *([{"file": "tests/test_site.py", "where": where, "strict": True}] if pages else []),
+    )
+
+
 def map_catalog(plan, path, lang):
     rest = path.split("/LC_MESSAGES/", 1)[1].rsplit(".", 1)[0]
     rules = f"tests/test_translations_{lang}.py"
@@ -262,8 +287,9 @@ def map_catalog(plan, path, lang):
     )
 
 
-def plan_for(changes, records):
-    """The Plan for [(status, path)]; records: {example: {test ids}}."""
+def plan_for(changes, records, fork=None):
+    """The Plan for [(status, path)]; records: {example: {test ids}}; fork: the commit the
+    changes are measured from."""
     plan = Plan()
     for status, path in changes:
         shared = next((why for pattern, why in SHARED if re.match(pattern, path)), None)
@@ -298,19 +324,7 @@ def plan_for(changes, records):
             extra = [{"file": rules}] if (ROOT / rules).is_file() else []
             plan.add(path, f"{m[1]}'s translation checks", *extra)
         elif re.match(r"tests/records/[^/]+\.json$", path):
-            plan.add(
-                path,
-                "the stamps of every page (tests/test_site.py)",
-                {
-                    "file": "tests/test_site.py",
-                    "where": {
-                        "originalname": [
-                            "test_page_shows_a_stamp_from_the_records",
-                            "test_language_builds_strict_and_clean",
-                        ]
-                    },
-                },
-            )
+            map_records(plan, path, fork)
         elif re.match(r"tests/records/", path):
             plan.add(path, "a kept GPU run: the records' checks")
         elif re.match(r"tests/test_[^/]+\.py$", path):
@@ -378,7 +392,7 @@ def main(argv):
     if not changes:
         print(">>> test-changed: nothing differs: nothing to run")
         return 0
-    plan = plan_for(changes, load_records(fork))
+    plan = plan_for(changes, load_records(fork), fork)
     for path, what in plan.reasons:
         print(f"    {path}: {what}")
     if plan.everything:
