@@ -238,3 +238,11 @@ def test_a_recorded_test_that_no_longer_exists_brings_in_its_file(tmp_path):
     assert missing == [gone]
     assert {test.split("::")[0] for test in kept} == {"tests/test_repo.py"}
     assert (EXAMPLES / "ddp" / "ddp.py").is_file()
+
+
+def test_the_static_checks_are_those_of_make_test_quick():
+    proc = subprocess.run(
+        ["make", "-n", "test-quick"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert f"-m pytest {' '.join(changed.STATIC)}" in proc.stdout
+    assert "tests/test_pages.py" in changed.STATIC

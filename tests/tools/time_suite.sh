@@ -8,18 +8,20 @@
 #   bash tests/tools/time_suite.sh cold     # make test, an empty cache: everything built again
 #   bash tests/tools/time_suite.sh busy     # warm, with a second suite running beside it
 #   bash tests/tools/time_suite.sh ci       # CI=true .ci/run, as this workplace's CI runs it
+#   bash tests/tools/time_suite.sh quick    # make test-quick (the venv made first, not timed)
 #   bash tests/tools/time_suite.sh changed [FILE]   # make test-changed after a one-line change
 #                                           # to FILE (examples/troubleshooting/memory_growth.py);
 #                                           # the clone's venv is made first, not timed
 #
-# The clone has a venv of its own (made from requirements.txt, timed except in `changed`).
+# The clone has a venv of its own (made from requirements.txt, timed except in `quick` and
+# `changed`).
 # Needs root (the schedulers' tests), the system packages (make system-packages) and a
 # committed tree: the clone has what HEAD has. The clone and its logs stay in
 # ${TMPDIR:-/tmp}/time-suite-<mode>/ for a look afterwards.
 set -euo pipefail
 mode=${1:-warm}
-case $mode in warm | cold | busy | ci | changed) ;; *)
-    echo "usage: $0 warm|cold|busy|ci|changed [FILE]" >&2
+case $mode in warm | cold | busy | ci | quick | changed) ;; *)
+    echo "usage: $0 warm|cold|busy|ci|quick|changed [FILE]" >&2
     exit 2
     ;;
 esac
@@ -45,6 +47,11 @@ busy) # a second suite beside it, in a clone of its own
 ci)
     command=(env CI=true bash .ci/run)
     what="\`CI=true .ci/run\` on a fresh clone"
+    ;;
+quick)
+    (cd "$work/clone" && make venv) >"$work/venv.log" 2>&1
+    command=(make test-quick)
+    what="\`make test-quick\` in a fresh clone (venv made before)"
     ;;
 changed)
     [[ -f $work/clone/$file ]] || { echo "$0: no $file in the repository" >&2; exit 2; }
