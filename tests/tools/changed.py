@@ -42,6 +42,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = "tests"
+# The records' state: checked after the run, on the records it wrote (TESTS_RECORDS=worktree).
+RECORD_STATE = [
+    "tests/test_records.py::test_committed_records_describe_the_files_as_they_are",
+    "tests/test_records.py::test_committed_records_are_of_passing_tests",
+    "tests/test_records.py::test_every_script_has_a_record",
+    "tests/test_records.py::test_job_scripts_have_scheduler_records",
+]
 # make test-quick: the static checks that read every file (the Makefile's QUICK list).
 STATIC = re.search(r"^QUICK := ((?:.*\\\n)*.*)$", (ROOT / "Makefile").read_text(), re.M)[1]
 STATIC = STATIC.replace("\\\n", " ").split()
