@@ -246,3 +246,12 @@ def test_the_static_checks_are_those_of_make_test_quick():
     )
     assert f"-m pytest {' '.join(changed.STATIC)}" in proc.stdout
     assert "tests/test_pages.py" in changed.STATIC
+
+
+def test_the_plan_of_this_checkout_prints_and_runs_nothing():
+    proc = subprocess.run(
+        [sys.executable, TESTS / "tools" / "changed.py", "HEAD", "--plan"],
+        cwd=ROOT, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(">>> test-changed: what differs from HEAD (merge-base ")
