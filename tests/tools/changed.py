@@ -381,9 +381,8 @@ def main(argv):
             f"test-changed: error: git cannot compare with {base!r}: "
             f"{error.stderr.strip().splitlines()[-1] if error.stderr.strip() else error}"
         )
-    print(
-        f">>> test-changed: what differs from {base} (merge-base {fork[:9]}): {len(changes)} files"
-    )
+    files = f"{len(changes)} file{'s' * (len(changes) != 1)}"
+    print(f">>> test-changed: what differs from {base} (merge-base {fork[:9]}): {files}")
     if not changes:
         print(">>> test-changed: nothing differs: nothing to run")
         return 0
