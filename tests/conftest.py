@@ -131,17 +131,21 @@ def _matches(item, selector):
 
 def select(config, items, path):
     """make test-changed (tests/tools/changed.py): keep the tests its selection names. The
-    files of `always` whole; a selector names a test by id, or a file's tests whose parameters
-    match `where` (a test without that parameter matches unless `strict`). A named test that
-    no longer exists brings in its whole file, which path + '.missing' lists."""
+    files of `always` whole, but the tests `spared` names; a selector names a test by id, or
+    a file's tests whose parameters match `where` (a test without that parameter matches
+    unless `strict`). A named test that no longer exists brings in its whole file, which
+    path + '.missing' lists."""
     selection = json.loads(path.read_text(encoding="utf-8"))
     selectors = selection["selectors"]
     ids = {item.nodeid for item in items}
     missing = sorted({s["id"] for s in selectors if "id" in s and s["id"] not in ids})
     whole = set(selection["always"]) | {test.split("::")[0] for test in missing}
+    spared = set(selection.get("spared", ()))
     keep, drop = [], []
     for item in items:
-        chosen = item.nodeid.split("::")[0] in whole or any(_matches(item, s) for s in selectors)
+        chosen = any(_matches(item, s) for s in selectors) or (
+            item.nodeid.split("::")[0] in whole and item.nodeid not in spared
+        )
         (keep if chosen else drop).append(item)
     if missing:
         partial = path.with_name(f"{path.name}.missing.{os.getpid()}")

@@ -93,7 +93,8 @@ def harnessed(tmp_path_factory, request):
         if mode not in runs:
             scripts = sorted({item.callspec.params["script"] for item in request.session.items
                               if item.originalname == MODES[mode]} | {script})  # fmt: skip
-            runs[mode] = harness(tmp_path_factory.mktemp(f"bad-{mode}"), mode, scripts)
+            with records.followed():  # each test is credited with its own script only
+                runs[mode] = harness(tmp_path_factory.mktemp(f"bad-{mode}"), mode, scripts)
         result = runs[mode][script]
         records.credit([script.relative_to(EXAMPLES).as_posix()])  # its cases, judged here
         if "error" in result:

@@ -255,3 +255,19 @@ def test_the_plan_of_this_checkout_prints_and_runs_nothing():
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(">>> test-changed: what differs from HEAD (merge-base ")
+
+
+def test_the_french_spell_check_runs_when_french_text_changed():
+    assert plan("examples/ddp/ddp.py").spared == [changed.SPELL_CHECK]
+    assert plan("locale/fr/LC_MESSAGES/monitoring/hangs.po").spared == []
+    assert plan("locale/fr/wordlist.txt").spared == []
+
+
+def test_conftest_leaves_out_a_spared_static_check(tmp_path):
+    file = changed.SPELL_CHECK.split("::")[0]
+    kept, _ = collected(
+        tmp_path, {"always": [file], "spared": [changed.SPELL_CHECK], "selectors": []}, file
+    )
+    assert kept and changed.SPELL_CHECK not in kept
+    kept, _ = collected(tmp_path, {"always": [file], "selectors": []}, file)
+    assert changed.SPELL_CHECK in kept

@@ -23,8 +23,9 @@ How a file maps (the first rule that matches wins):
 - README, workflows, CI: the static checks.
 
 The static checks that read every file (make test-quick: lint, includes, catalogs, records,
-site files) always run. A changed file no rule maps, or an example whose tests cannot be found,
-runs everything, and the plan says why: a pass never covers a change nobody mapped.
+site files) always run, but for the French spell check, which runs when French text changed.
+A changed file no rule maps, or an example whose tests cannot be found, runs everything, and
+the plan says why: a pass never covers a change nobody mapped.
 
 The selection reaches pytest as a file (TESTS_SELECTION) that tests/conftest.py reads while it
 collects: a recorded test that no longer exists brings in the whole file it was in.
@@ -49,6 +50,8 @@ RECORD_STATE = [
     "tests/test_records.py::test_every_script_has_a_record",
     "tests/test_records.py::test_job_scripts_have_scheduler_records",
 ]
+# A static check that reads only the French catalogs: it runs when one of those changed.
+SPELL_CHECK = "tests/test_translations.py::test_french_passes_the_spell_check"
 # make test-quick: the static checks that read every file (the Makefile's QUICK list).
 STATIC = re.search(r"^QUICK := ((?:.*\\\n)*.*)$", (ROOT / "Makefile").read_text(), re.M)[1]
 STATIC = STATIC.replace("\\\n", " ").split()
@@ -86,6 +89,7 @@ class Plan:
     """What to run: selectors for tests/conftest.py, and why each part is there."""
 
     everything: list = field(default_factory=list)  # reasons to run the whole suite
+    spared: list = field(default_factory=list)  # static checks this change cannot affect
     selectors: list = field(default_factory=list)
     reasons: list = field(default_factory=list)  # (changed file, what it brings in)
 
@@ -349,6 +353,8 @@ def plan_for(changes, records, fork=None):
                 plan.add(path, f"{why}: the static checks")
             else:
                 plan.everything.append(f"{path}: no rule maps it")
+    if not any(path.startswith("locale/fr/") for _, path in changes):
+        plan.spared.append(SPELL_CHECK)  # it reads the French catalogs and word list only
     return plan
 
 
@@ -398,6 +404,8 @@ def main(argv):
             f">>> test-changed: the static checks ({' '.join(Path(f).name for f in STATIC)}), "
             f"and {len(plan.selectors)} selectors over {len(plan.files())} test files"
         )
+        if SPELL_CHECK in plan.spared:
+            print("    not the French spell check: no French text changed")
     command = pytest_command(plan, extra)
     if show_only:
         print(" ".join(command))
@@ -407,7 +415,9 @@ def main(argv):
     with tempfile.TemporaryDirectory(prefix="test-changed-") as scratch:
         if not plan.everything:
             selection = Path(scratch, "selection.json")
-            selection.write_text(json.dumps({"always": STATIC, "selectors": plan.selectors}))
+            selection.write_text(json.dumps(
+                {"always": STATIC, "spared": plan.spared, "selectors": plan.selectors}
+            ))  # fmt: skip
             env["TESTS_SELECTION"] = str(selection)
         code = subprocess.run(command, cwd=ROOT, env=env, check=False).returncode
         fallback = Path(scratch, "selection.json.missing")
