@@ -131,7 +131,8 @@ def _matches(item, selector):
 
 def select(config, items, path):
     """make test-changed (tests/tools/changed.py): keep the tests its selection names. The
-    files of `always` whole, but the tests `spared` names; a selector names a test by id, or
+    files of `always` whole, but the tests `spared` names (by id, or file::function for all
+    its parameters); a selector names a test by id, or
     a file's tests whose parameters match `where` (a test without that parameter matches
     unless `strict`). A named test that no longer exists brings in its whole file, which
     path + '.missing' lists."""
@@ -144,7 +145,8 @@ def select(config, items, path):
     keep, drop = [], []
     for item in items:
         chosen = any(_matches(item, s) for s in selectors) or (
-            item.nodeid.split("::")[0] in whole and item.nodeid not in spared
+            item.nodeid.split("::")[0] in whole
+            and not {item.nodeid, f"{item.nodeid.split('::')[0]}::{item.originalname}"} & spared
         )
         (keep if chosen else drop).append(item)
     if missing:

@@ -23,7 +23,8 @@ How a file maps (the first rule that matches wins):
 - README, workflows, CI: the static checks.
 
 The static checks that read every file (make test-quick: lint, includes, catalogs, records,
-site files) always run, but for the French spell check, which runs when French text changed.
+site files) always run, but for the French spell check, which runs when French text changed,
+and the builds of the centres' editions, which run when a page or a job script changed.
 A changed file no rule maps, or an example whose tests cannot be found, runs everything, and
 the plan says why: a pass never covers a change nobody mapped.
 
@@ -52,6 +53,10 @@ RECORD_STATE = [
 ]
 # A static check that reads only the French catalogs: it runs when one of those changed.
 SPELL_CHECK = "tests/test_translations.py::test_french_passes_the_spell_check"
+# The centres' English editions (every parameter): they differ from the site in their job
+# scripts and pages only, so a change to neither (a Python example, a catalog) cannot change them.
+CENTRE_BUILDS = "tests/test_edition.py::test_a_centres_pages_build_strictly_with_its_scripts"
+JOB_SCRIPT = re.compile(r"examples/.+\.(sbatch|qsub|pbs|sh|def|toml)$")
 # make test-quick: the static checks that read every file (the Makefile's QUICK list).
 STATIC = re.search(r"^QUICK := ((?:.*\\\n)*.*)$", (ROOT / "Makefile").read_text(), re.M)[1]
 STATIC = STATIC.replace("\\\n", " ").split()
@@ -355,6 +360,12 @@ def plan_for(changes, records, fork=None):
                 plan.everything.append(f"{path}: no rule maps it")
     if not any(path.startswith("locale/fr/") for _, path in changes):
         plan.spared.append(SPELL_CHECK)  # it reads the French catalogs and word list only
+    if all(
+        (path.startswith("examples/") and not JOB_SCRIPT.match(path))
+        or path.startswith(("locale/", "tests/records/"))
+        for _, path in changes
+    ):
+        plan.spared.append(CENTRE_BUILDS)
     return plan
 
 
@@ -406,6 +417,8 @@ def main(argv):
         )
         if SPELL_CHECK in plan.spared:
             print("    not the French spell check: no French text changed")
+        if CENTRE_BUILDS in plan.spared:
+            print("    not the centres' page builds: no page or job script changed")
     command = pytest_command(plan, extra)
     if show_only:
         print(" ".join(command))

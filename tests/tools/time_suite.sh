@@ -8,10 +8,12 @@
 #   bash tests/tools/time_suite.sh cold     # make test, an empty cache: everything built again
 #   bash tests/tools/time_suite.sh busy     # warm, with a second suite running beside it
 #   bash tests/tools/time_suite.sh ci       # CI=true .ci/run, as this workplace's CI runs it
-#   bash tests/tools/time_suite.sh quick    # make test-quick (the venv made first, not timed)
+#   bash tests/tools/time_suite.sh quick    # make test-quick
 #   bash tests/tools/time_suite.sh changed [FILE]   # make test-changed after a one-line change
 #                                           # to FILE (examples/troubleshooting/memory_growth.py);
-#                                           # the clone's venv is made first, not timed
+#                                           # (quick, changed: the clone's venv and Node
+#                                           # packages are made first, not timed, as a
+#                                           # contributor has them)
 #
 # The clone has a venv of its own (made from requirements.txt, timed except in `quick` and
 # `changed`).
@@ -49,16 +51,16 @@ ci)
     what="\`CI=true .ci/run\` on a fresh clone"
     ;;
 quick)
-    (cd "$work/clone" && make venv) >"$work/venv.log" 2>&1
+    (cd "$work/clone" && make venv node-packages) >"$work/venv.log" 2>&1
     command=(make test-quick)
-    what="\`make test-quick\` in a fresh clone (venv made before)"
+    what="\`make test-quick\` in a fresh clone (venv and Node packages made before)"
     ;;
 changed)
     [[ -f $work/clone/$file ]] || { echo "$0: no $file in the repository" >&2; exit 2; }
-    (cd "$work/clone" && make venv) >"$work/venv.log" 2>&1
+    (cd "$work/clone" && make venv node-packages) >"$work/venv.log" 2>&1
     echo "# a one-line change" >>"$work/clone/$file"
     command=(make test-changed)
-    what="\`make test-changed\` after a one-line change to \`$file\` (venv made before)"
+    what="\`make test-changed\` after a one-line change to \`$file\` (venv and Node packages made before)"
     ;;
 esac
 start=$SECONDS
