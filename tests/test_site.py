@@ -383,7 +383,7 @@ def browsed(items):
     changed page's in make test-changed. English always: translated pages are compared with it."""
     langs, pages = {"en"}, set()
     for item in items:
-        if "browser" in getattr(item, "fixturenames", ()):
+        if item.path.name == "test_site.py" and "browser" in getattr(item, "fixturenames", ()):
             params = getattr(getattr(item, "callspec", None), "params", {})
             langs.add(params.get("lang", "en"))
             if "page" in params:
