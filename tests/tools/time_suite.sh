@@ -73,9 +73,10 @@ seconds=$((SECONDS - start))
 if [[ $mode == busy ]]; then
     wait "$other" || echo "the suite beside it failed: $work/other.log" >&2
 fi
-summary=$(grep -E '^=+ .*(passed|failed).* in ' "$work/run.log" | head -1 | tr -d '=' | xargs)
+# (|| true: a run that ended before pytest's summary still gets its row)
+summary=$(grep -E '^=+ .*(passed|failed).* in ' "$work/run.log" | head -1 | tr -d '=' | xargs || true)
 if [[ $mode == ci ]]; then
-    summary="$(grep -o 'make test: [0-9]* s' "$work/run.log" | tail -1); $summary"
+    summary="$(grep -o 'make test: [0-9]* s' "$work/run.log" | tail -1 || true); $summary"
 fi
 if [[ $mode == changed ]]; then
     summary="$(grep -c '^    examples/' "$work/run.log" || true) example mapped; $summary"
