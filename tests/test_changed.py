@@ -37,7 +37,10 @@ def test_an_example_brings_in_the_tests_that_ran_it():
 
 
 def test_an_example_brings_in_the_english_build_of_the_pages_that_include_it():
-    found = plan("examples/hangs/hang_demo.py", records={"hangs/hang_demo.py": {"t.py::t"}})
+    found = plan(
+        "examples/hangs/hang_demo.py",
+        records={"hangs/hang_demo.py": {"tests/test_monitoring.py::t"}},
+    )
     assert {
         "id": "tests/test_site.py::test_language_builds_strict_and_clean[en]"
     } in found.selectors
@@ -286,3 +289,10 @@ def test_conftest_leaves_out_every_parameter_of_a_spared_test(tmp_path):
         tmp_path, {"always": [file], "spared": [changed.CENTRE_BUILDS], "selectors": []}, file
     )
     assert kept and not [test for test in kept if test.startswith(changed.CENTRE_BUILDS)]
+
+
+def test_an_example_whose_test_files_are_gone_runs_everything():
+    found = plan("examples/ddp/ddp.py", records={"ddp/ddp.py": {"tests/test_gone.py::test_it"}})
+    assert found.everything == [
+        "examples/ddp/ddp.py: none of the test files that ran it exists any more"
+    ]
