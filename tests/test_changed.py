@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import EXAMPLES, ROOT, TESTS
+from conftest import ROOT, TESTS
 
 sys.path.insert(0, str(TESTS / "tools"))
 import changed  # noqa: E402 (tests/tools/changed.py: make test-changed)
@@ -240,7 +240,6 @@ def test_a_recorded_test_that_no_longer_exists_brings_in_its_file(tmp_path):
     )  # fmt: skip
     assert missing == [gone]
     assert {test.split("::")[0] for test in kept} == {"tests/test_repo.py"}
-    assert (EXAMPLES / "ddp" / "ddp.py").is_file()
 
 
 def test_the_static_checks_are_those_of_make_test_quick():
