@@ -98,6 +98,19 @@ def pytest_collection_modifyitems(config, items):
         select(config, items, Path(os.environ["TESTS_SELECTION"]))
 
 
+def selected(request, *, test=None, fixture=None):
+    """(name, parameters) ({} for none) of this module's selected tests named test, or using
+    fixture: a module fixture that does work for several tests (a harness, a site build, a
+    browser) does it for these only (all of them in make test, a few in make test-changed)."""
+    return [
+        (item.originalname, getattr(getattr(item, "callspec", None), "params", {}))
+        for item in request.session.items
+        if item.path == request.path
+        and (test is None or item.originalname == test)
+        and (fixture is None or fixture in item.fixturenames)
+    ]
+
+
 def _forms(value):
     """The names a test parameter goes by: a path as it stands, from the repository's root,
     from examples/ and from source/ (without its suffix, as tests/test_site.py names pages)."""

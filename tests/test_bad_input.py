@@ -30,6 +30,7 @@ from conftest import (
     free_port,
     on_a_gpu_node,
     run,
+    selected,
 )
 
 SCRIPTS = sorted(EXAMPLES.rglob("*.py"))
@@ -91,10 +92,8 @@ def harnessed(tmp_path_factory, request):
 
     def cases(mode, script):
         if mode not in runs:
-            # this module's tests only: tests/test_horovod.py has one of the same name
-            scripts = sorted({item.callspec.params["script"] for item in request.session.items
-                              if item.path == request.path
-                              and item.originalname == MODES[mode]} | {script})  # fmt: skip
+            chosen = {params["script"] for _, params in selected(request, test=MODES[mode])}
+            scripts = sorted(chosen | {script})
             with records.followed():  # each test is credited with its own script only
                 runs[mode] = harness(tmp_path_factory.mktemp(f"bad-{mode}"), mode, scripts)
         result = runs[mode][script]

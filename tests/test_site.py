@@ -15,7 +15,15 @@ import pytest
 # polib comes with the venv; a GPU machine running only `make test-gpu` may lack it.
 polib = pytest.importorskip("polib", reason="polib is in requirements.txt: run make venv")
 
-from conftest import LANGUAGES, ROOT, SOURCE, TESTS, TRANSLATIONS, require_command  # noqa: E402
+from conftest import (  # noqa: E402
+    LANGUAGES,
+    ROOT,
+    SOURCE,
+    TESTS,
+    TRANSLATIONS,
+    require_command,
+    selected,
+)
 
 sys.path.insert(0, str(TESTS / "tools"))
 import site_build  # noqa: E402 (tests/tools/site_build.py: make html-all builds with it too)
@@ -63,18 +71,19 @@ class Page(HTMLParser):
             self.tabs[-1] += data.strip()
 
 
-def built(items):
-    """The languages the selected tests of the site need: all four in make test, or when a
-    test that looks at every language (links, search, the root page) is selected; otherwise
-    those the tests name, and English, which translated pages are compared with (make
-    test-changed after a change to one catalog or example)."""
-    langs = {"en"}
-    for item in items:
-        if item.path.name == "test_site.py" and "site" in getattr(item, "fixturenames", ()):
-            params = getattr(getattr(item, "callspec", None), "params", {})
-            if "lang" not in params:
-                return LANGUAGES
-            langs.add(params["lang"])
+# Tests that look at one language's pages only; every other test of a page (its switcher, its
+# alternates) needs the other languages built too.
+ONE_LANGUAGE = {"test_language_builds_strict_and_clean", "test_page_shows_a_stamp_from_the_records",
+                "test_every_included_example_can_be_downloaded"}  # fmt: skip
+
+
+def built(selection):
+    """The languages the selected tests of the site need (selection: their names and
+    parameters): all four, unless every one looks at its own language only (make test-changed
+    after a change to an example: its pages in English)."""
+    if not all(name in ONE_LANGUAGE and "lang" in params for name, params in selection):
+        return LANGUAGES
+    langs = {params["lang"] for _, params in selection}
     return [lang for lang in LANGUAGES if lang in langs]
 
 
@@ -85,7 +94,9 @@ def site(tmp_path_factory, request):
     an earlier test run) is taken from the cache instead of being made again."""
     out = tmp_path_factory.mktemp("html")
     builds = {}
-    for lang, (folder, result) in site_build.build_all(built(request.session.items)).items():
+    for lang, (folder, result) in site_build.build_all(
+        built(selected(request, fixture="site"))
+    ).items():
         builds[lang] = result
         if folder is not None:
             shutil.copytree(folder, out / lang)
@@ -378,16 +389,12 @@ def _missing_fonts():
     return "; ".join(wrong)
 
 
-def browsed(items):
-    """(languages, pages) the browser tests among items look at: every one in make test, the
-    changed page's in make test-changed. English always: translated pages are compared with it."""
-    langs, pages = {"en"}, set()
-    for item in items:
-        if item.path.name == "test_site.py" and "browser" in getattr(item, "fixturenames", ()):
-            params = getattr(getattr(item, "callspec", None), "params", {})
-            langs.add(params.get("lang", "en"))
-            if "page" in params:
-                pages.add(params["page"])
+def browsed(selection):
+    """(languages, pages) the browser tests look at (selection: their names and parameters):
+    every one in make test, the changed page's in make test-changed. English always:
+    translated pages are compared with it."""
+    langs = {"en"} | {params.get("lang", "en") for _, params in selection}
+    pages = {params["page"] for _, params in selection if "page" in params}
     return [lang for lang in LANGUAGES if lang in langs], [page for page in PAGES if page in pages]
 
 
@@ -412,7 +419,7 @@ def browser(site, request):
     runs = {}
     try:
         port = re.search(r"port (\d+)", server.stdout.readline())[1]
-        langs, pages = browsed(request.session.items)
+        langs, pages = browsed(selected(request, fixture="browser"))
         for lang in langs:
             config = {
                 "base": f"http://127.0.0.1:{port}", "lang": lang, "pages": pages,
