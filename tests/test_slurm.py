@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -864,6 +865,15 @@ def http_get(url, host):
         return error.code, error.read().decode()
 
 
+def port_accepts(host, port):
+    """Whether a TCP connection to host:port is accepted now."""
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
 def test_jupyter_server_starts_answers_and_stops(cluster, job_env, tmp_path):
     """jupyter.sbatch runs until scancel: it prints the tunnel and the URL, the server answers
     with the token (and refuses without it), and scancel stops it and removes its runtime dir."""
@@ -893,6 +903,12 @@ def test_jupyter_server_starts_answers_and_stops(cluster, job_env, tmp_path):
         runtime = Path("/tmp", f"jupyter-{job_id}")
         assert runtime.stat().st_mode & 0o777 == 0o700, out
         assert (runtime / "token").read_text() == token[1]
+        # Jupyter prints "is running at" before its event loop binds the port: wait for it.
+        while not port_accepts(node, port):
+            if job_info(job_id, env)["JobState"] in FINISHED or time.monotonic() > deadline:
+                out = output.read_text(encoding="utf-8")
+                pytest.fail(f"job {job_id} never listened on {node}:{port}:\n{out}", pytrace=False)
+            time.sleep(0.5)
         # What the browser sends through the tunnel: Host localhost:<port>.
         api = f"http://{node}:{port}/api/status"
         status, body = http_get(f"{api}?token={token[1]}", f"localhost:{port}")
