@@ -2,6 +2,7 @@
 
 import atexit
 import contextlib
+import functools
 import hashlib
 import html
 import importlib.metadata
@@ -207,6 +208,8 @@ def example_env(**extra):
     # (empty unless a test fills it), never the machine's.
     env["HF_HUB_OFFLINE"] = "1"
     env["HF_HOME"] = str(CACHE / "hf-home")
+    if not HAS_CUDA:  # DeepSpeed, which transformers imports where installed, warns on stdout
+        env["DS_ACCELERATOR"] = "cpu"  # that it found no GPU; a GPU node has one: no warning
     env.update(COMPILER_CACHE)
     env.update({key: str(value) for key, value in extra.items()})
     return env
@@ -347,13 +350,34 @@ def run(cmd, *, cwd, env=None, timeout=120, expect_rc=0):
     return proc
 
 
-@pytest.fixture(scope="session")
-def tiny_llm():
+@functools.cache
+def tiny_llm_folder():
     """A tiny Llama model folder with its tokenizer (tests/tiny_llm.py), built once per machine
     and shared by every worker."""
     import tiny_llm as made
 
     return made.tiny_llm(CACHE / "llm", example_env())
+
+
+@functools.cache
+def tiny_tokens_folder():
+    """tests/llm/corpus.txt in blocks of 32 tokens of the tiny model, made once per machine by
+    examples/llm/prepare_tokens.py, as a reader makes them on a login node."""
+    import tiny_llm as made
+
+    return made.tokens(tiny_llm_folder(), example_env())
+
+
+@pytest.fixture(scope="session")
+def tiny_llm():
+    return tiny_llm_folder()
+
+
+def give_llm(folder):
+    """What a reader has before a language-model job: the model and its tokens, here as
+    model/ and tokens/ in the job's folder (Job.llm)."""
+    (folder / "model").symlink_to(tiny_llm_folder())
+    (folder / "tokens").symlink_to(tiny_tokens_folder())
 
 
 @pytest.fixture
@@ -393,6 +417,7 @@ class Job:
     # the tests' own
     prepare: tuple = ()  # shell commands run in the job's folder before it is submitted, as a
     # reader prepares data or an image on a login node
+    llm: bool = False  # the job reads model/ and tokens/ in its folder (give_llm)
 
     def assert_printed(self, output, job_id):
         """Every expected line is in the job's output: a string, where {job_id} is the job's

@@ -64,6 +64,22 @@ def test_tokens_are_the_corpus_in_blocks_with_end_of_text(tiny_llm, tokens):
     assert not list(folder.glob("*.tmp"))
 
 
+def test_make_tiny_model_says_what_it_made(tmp_path):
+    out = run([sys.executable, LLM / "make_tiny_model.py", "--text", CORPUS, "--layers", "1"],
+              cwd=tmp_path).stdout  # fmt: skip
+    # One layer less than the tests' model: 4 projections of 128 x 128, 3 of 128 x 256, 2 norms.
+    layer = 4 * 128 * 128 + 3 * 128 * 256 + 2 * 128
+    assert out == (f"tiny Llama: {405_120 - layer:,} parameters (decoder layers: 1), a "
+                   "vocabulary of 300, 256 positions; saved to tiny-model\n")  # fmt: skip
+    assert sorted(p.name for p in (tmp_path / "tiny-model").iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+        "tokenizer_config.json"]  # fmt: skip
+    again = run([sys.executable, LLM / "make_tiny_model.py", "--text", CORPUS], cwd=tmp_path,
+                expect_rc=2)  # fmt: skip
+    assert again.stderr.endswith("argument --output-dir: tiny-model holds a model already: choose "
+                                 "another folder\n")  # fmt: skip
+
+
 def test_jsonl_documents_are_separated_by_end_of_text(tiny_llm, tmp_path):
     lines = CORPUS.read_text().splitlines()
     documents = [" ".join(lines[:12]), " ".join(lines[12:])]
