@@ -1,6 +1,7 @@
 """examples/llm/: prepare_tokens.py and finetune_lora.py on a tiny Llama (tests/tiny_llm.py), on
 the CPU, with the hub offline: tokens, LoRA training, resume, requeue signal, merge, bad input."""
 
+import importlib.metadata
 import json
 import re
 import shutil
@@ -200,6 +201,7 @@ def test_a_second_run_on_the_folder_is_refused_at_once(tiny_llm, tokens, tmp_pat
     finally:
         holder.kill()
         holder.wait()
+        holder.stdout.close()
     assert proc.stderr.startswith("finetune_lora.py: error: checkpoints is in use by job 77, "
                                   "process 1 on n1: wait for that run to end")  # fmt: skip
 
@@ -329,3 +331,12 @@ def test_prepare_never_overwrites_tokens(tokens):
                cwd=folder.parent, expect_rc=2)  # fmt: skip
     assert proc.stderr.endswith(f"argument --output-dir: {folder} already holds tokens: remove "
                                 "them first, or choose another folder\n")  # fmt: skip
+
+
+def test_requirements_pin_the_versions_the_tests_ran():
+    """examples/llm/requirements.txt, which the models page has readers install, names the
+    versions of the Hugging Face libraries that these tests import."""
+    pins = re.findall(r"^([\w-]+)==(\S+)$", (LLM / "requirements.txt").read_text(), re.M)
+    assert len(pins) == 6
+    for name, version in pins:
+        assert importlib.metadata.version(name) == version, name
