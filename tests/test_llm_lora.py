@@ -340,3 +340,17 @@ def test_requirements_pin_the_versions_the_tests_ran():
     assert len(pins) == 6
     for name, version in pins:
         assert importlib.metadata.version(name) == version, name
+
+
+@pytest.mark.gpu
+def test_lora_on_the_gpu_in_bfloat16(tiny_llm, tokens, tmp_path):
+    """--device cuda: the model in bfloat16 on the GPU, which the script names; the loss falls."""
+    args = [*SHORT[2:], "--device", "cuda", "--model", tiny_llm, "--tokens", tokens[0],
+            "--steps", STEPS]  # fmt: skip
+    out = run([sys.executable, LORA, *args], cwd=tmp_path, timeout=300).stdout
+    assert re.search(r"^GPU in use: \S+ \(.+\) on \S+$", out, re.M), out
+    assert f"{TRAINABLE:,} trainable (LoRA rank 8 on q_proj, k_proj, v_proj, o_proj), cuda, " \
+        "bfloat16" in out  # fmt: skip
+    losses = [float(x) for x in re.findall(r"^step \d+/4: loss (\S+), [\d,]+ tokens/s$", out, re.M)]
+    assert len(losses) == STEPS and losses[-1] < losses[0], out
+    assert (tmp_path / "lora-out" / "merged" / "model.safetensors").is_file()
