@@ -90,6 +90,24 @@ JOBS = {
         ),
         llm=True,
     ),
+    "llm/finetune_accelerate.pbs": Job(
+        files=("llm/finetune_accelerate.py", "llm/accelerate_fsdp.yaml"),
+        args=tuple(
+            "--device cpu --model model --tokens tokens --steps 2 --global-batch 8 "
+            "--micro-batch 2 --log-every 1".split()
+        ),
+        expect=(
+            "Job {job_id}: 2 node(s) x 2 processes, rendezvous at pbs-n1:",
+            # Accelerate applies FSDP on GPUs only: on these nodes' CPUs, DDP, and it says so.
+            "finetune_accelerate.py: warning: FSDP is not used on the CPU",
+            ": cpu, data parallel (DDP, gloo), mixed precision bf16",
+            "global batch 8 sequences of 32 tokens = 4 processes x 1 micro-batch of 2",
+            "step 2/2: loss ",
+            "/checkpoints/checkpoint-00000002",
+            "model saved to /",
+        ),
+        llm=True,
+    ),
 }
 # Scripts with a test of their own below (arrays, chained jobs).
 OWN_TESTS = {"checkpointing/train_checkpoint.pbs", "arrays/sweep.pbs", "arrays/collect.pbs"}

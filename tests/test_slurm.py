@@ -408,6 +408,25 @@ JOBS = {
         ),
         llm=True,
     ),
+    "llm/finetune_accelerate.sbatch": Job(
+        files=("llm/finetune_accelerate.py", "llm/accelerate_fsdp.yaml"),
+        args=tuple(
+            "--device cpu --model model --tokens tokens --steps 2 --global-batch 8 "
+            "--micro-batch 2 --log-every 1".split()
+        ),
+        expect=(
+            "Job {job_id}: 2 nodes x 2 processes, rendezvous at n1:",
+            # Accelerate applies FSDP on GPUs only: on these nodes' CPUs, DDP, and it says so.
+            "finetune_accelerate.py: warning: FSDP is not used on the CPU",
+            "4 processes on n1, n2: cpu, data parallel (DDP, gloo), mixed precision bf16",
+            "global batch 8 sequences of 32 tokens = 4 processes x 1 micro-batch of 2",
+            "step 2/2: loss ",
+            "saved /",
+            "/checkpoints/finetune-accelerate-{job_id}/checkpoints/checkpoint-00000002",
+            "model saved to /",
+        ),
+        llm=True,
+    ),
     "jupyter/jupyter.sbatch": Job(
         args=("--allow-root",),  # the tests' jobs run as root, which Jupyter refuses without it
         expect=(
