@@ -316,7 +316,7 @@ _zygotes = {}
 # Modules a folder's scripts import beside torch, preloaded by the zygote that runs them: the
 # language-model scripts' Hugging Face libraries (4 to 5 s of imports a run otherwise).
 PRELOAD = {"llm": ("transformers", "transformers.models.llama.modeling_llama", "peft",
-                   "safetensors.torch", "numpy")}  # fmt: skip
+                   "accelerate", "safetensors.torch", "numpy")}  # fmt: skip
 
 
 def zygote(script=None):
