@@ -384,7 +384,7 @@ JOBS = {
         files=("llm/finetune_lora.py",),
         args=LORA_ARGS,
         expect=(
-            "Job {job_id} on n",
+            "Job {job_id} on ",
             "trainable (LoRA rank 4 on q_proj, k_proj, v_proj, o_proj), cpu, float32",
             "step 2/2: loss ",
             "/checkpoints/finetune-lora/checkpoints/checkpoint-00000002",
