@@ -85,9 +85,11 @@ SINGLE_JOBS = [s for s in QSUB_SCRIPTS if s not in ARRAYS]
 
 
 def qsub(script, *args, cwd, env):
-    """Submit with the test's MODULEPATH and VENV (a reader's login environment has them), and
-    PYTHONPATH (tests/shim: torchvision imports as on a GPU node)."""
+    """Submit with the test's MODULEPATH and VENV (a reader's login environment has them),
+    PYTHONPATH (tests/shim: torchvision imports as on a GPU node) and SCRATCH in the test's
+    home (never the machine's)."""
     variables = ",".join(f"{name}={env[name]}" for name in ("MODULEPATH", "VENV", "PYTHONPATH"))
+    variables += f",SCRATCH={env['HOME']}/scratch"
     return run(["qsub", "-terse", "-v", variables, script, *args], cwd=cwd, env=env).stdout.strip()
 
 
@@ -240,15 +242,19 @@ def test_a_failed_task_is_named_although_an_earlier_sweep_left_a_result(cell_env
 
 
 def test_site_check_runs_every_job_script_of_the_cell_and_records_it(cell_env, tmp_path):
-    """make site-check with the cell's site file: the three job scripts (the array and the job
+    """make site-check with the cell's site file: every job script (the array and the job
     that waits for it included), the record, and the stamp the cell's edition shows."""
     site = tmp_path / "site" / TEST_SITES["gridengine"].name
     site.parent.mkdir()
     shutil.copy(TEST_SITES["gridengine"], site)
     proc = run(["make", "--no-print-directory", "site-check", f"SITE={site}",
                 f"CHECK_ARGS=--work-dir {tmp_path / 'work'} --max-jobs 2"],
-               cwd=ROOT, env=cell_env, timeout=600)  # fmt: skip
-    assert "the tests' Grid Engine cell: 3 of 3 job scripts passed. Record: " in proc.stdout
+               cwd=ROOT, env={**cell_env, "SCRATCH": str(tmp_path / "scratch")},
+               timeout=600)  # fmt: skip
+    total = len(QSUB_SCRIPTS)
+    assert f"the tests' Grid Engine cell: {total} of {total} job scripts passed. Record: " in (
+        proc.stdout
+    ), proc.stdout
     record = json.loads(site.with_name("gridengine-test-cell.record.json").read_text())
     entries = record["examples"]
     assert_site_check_passed(entries, QSUB_SCRIPTS, "exit_status 0, failed 0")
