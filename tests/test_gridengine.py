@@ -86,10 +86,12 @@ SINGLE_JOBS = [s for s in QSUB_SCRIPTS if s not in ARRAYS]
 
 def qsub(script, *args, cwd, env):
     """Submit with the test's MODULEPATH and VENV (a reader's login environment has them),
-    PYTHONPATH (tests/shim: torchvision imports as on a GPU node) and SCRATCH in the test's
-    home (never the machine's)."""
-    variables = ",".join(f"{name}={env[name]}" for name in ("MODULEPATH", "VENV", "PYTHONPATH"))
-    variables += f",SCRATCH={env['HOME']}/scratch"
+    PYTHONPATH (tests/shim: torchvision imports as on a GPU node), the tests' HF_HOME, and the
+    checkpoints in the test's home (Grid Engine starts a job in the user's real home, and the
+    cell's edition keeps them under $HOME: never the machine's)."""
+    names = ("MODULEPATH", "VENV", "PYTHONPATH", "HF_HOME")
+    variables = ",".join(f"{name}={env[name]}" for name in names)
+    variables += f",CHECKPOINT_ROOT={env['HOME']}/scratch/checkpoints"
     return run(["qsub", "-terse", "-v", variables, script, *args], cwd=cwd, env=env).stdout.strip()
 
 
@@ -249,7 +251,7 @@ def test_site_check_runs_every_job_script_of_the_cell_and_records_it(cell_env, t
     shutil.copy(TEST_SITES["gridengine"], site)
     proc = run(["make", "--no-print-directory", "site-check", f"SITE={site}",
                 f"CHECK_ARGS=--work-dir {tmp_path / 'work'} --max-jobs 2"],
-               cwd=ROOT, env={**cell_env, "SCRATCH": str(tmp_path / "scratch")},
+               cwd=ROOT, env={**cell_env, "CHECKPOINT_ROOT": str(tmp_path / "checkpoints")},
                timeout=600)  # fmt: skip
     total = len(QSUB_SCRIPTS)
     assert f"the tests' Grid Engine cell: {total} of {total} job scripts passed. Record: " in (

@@ -116,11 +116,13 @@ SINGLE_JOBS = [s for s in PBS_SCRIPTS if s not in OWN_TESTS]
 
 def qsub(script, *options, args=(), cwd, env, extra=None):
     """Submit with the test's MODULEPATH and VENV (a reader's login environment has them),
-    PYTHONPATH (tests/shim: torchvision imports as on a GPU node), SCRATCH in the test's home
-    (never the machine's) and the script's options in ARGS; the job id (e.g. 12.pbs-n1)."""
+    PYTHONPATH (tests/shim: torchvision imports as on a GPU node), the tests' HF_HOME, the
+    checkpoints in the test's home (PBS starts a job in the user's real home, and the complex's
+    edition keeps them under $HOME: never the machine's) and the script's options in ARGS; the
+    job id (e.g. 12.pbs-n1)."""
     values = {"MODULEPATH": env["MODULEPATH"], "VENV": env["VENV"],
-              "PYTHONPATH": env["PYTHONPATH"], "SCRATCH": f"{env['HOME']}/scratch",
-              **(extra or {})}  # fmt: skip
+              "PYTHONPATH": env["PYTHONPATH"], "HF_HOME": env["HF_HOME"],
+              "CHECKPOINT_ROOT": f"{env['HOME']}/scratch/checkpoints", **(extra or {})}  # fmt: skip
     if args:
         values["ARGS"] = " ".join(args)
     assert not any("," in str(value) for value in values.values()), values  # -v splits on ","
