@@ -10,9 +10,11 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import (
     EXAMPLES,
+    TORCHRUN,
     example_env,
     free_port,
     launch,
@@ -333,3 +335,19 @@ def test_without_torchrun_the_missing_variables_are_named(tmp_path):
         "finetune_fsdp2.py: error: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT not "
         "set: start this script with torchrun (see finetune_fsdp2.sbatch)\n"
     )
+
+
+@pytest.mark.gpu
+def test_fsdp2_on_the_gpus_in_bfloat16(model_and_tokens, tmp_path):
+    """torchrun with one process per GPU of the machine: nccl, the layers in bfloat16, every
+    process names its GPU, and the loss falls."""
+    gpus = torch.cuda.device_count()
+    model, tokens = model_and_tokens
+    args = ["--device", "cuda", "--model", model, "--tokens", tokens, "--steps", "4",
+            "--global-batch", str(8 * gpus), "--micro-batch", "2", "--log-every", "1"]  # fmt: skip
+    out = run([*TORCHRUN, f"--nproc-per-node={gpus}", SCRIPT, *args], cwd=tmp_path,
+              timeout=600).stdout  # fmt: skip
+    assert len(re.findall(r"^GPU in use: ", out, re.M)) == gpus, out
+    assert f"{gpus} process" in out and ", cuda (nccl), compute in bfloat16, " in out, out
+    losses = [float(loss) for _, _, loss in STEP.findall(out)]
+    assert len(losses) == 4 and losses[-1] < losses[0], out
