@@ -95,7 +95,7 @@ def qsub(script, *args, cwd, env):
     return run(["qsub", "-terse", "-v", variables, script, *args], cwd=cwd, env=env).stdout.strip()
 
 
-def wait_for(job_id, env, timeout=180):
+def wait_for(job_id, env, timeout=600):
     """Poll until the job has left the queue and is in the accounting file; return its record."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

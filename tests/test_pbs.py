@@ -137,7 +137,7 @@ def job_record(job_id, env):
     return next(iter(json.loads(proc.stdout).get("Jobs", {}).values()), {})
 
 
-def wait_for(job_id, env, timeout=120):
+def wait_for(job_id, env, timeout=600):
     """Poll until the job has finished (qstat -x: state F); return its record."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
