@@ -892,22 +892,30 @@ def slurm_task_env(rank=0, tasks=2, **extra):
 
 # Runs an example (python stall.py EXAMPLE ARGS...) in which rank 0 stalls at the start of its
 # second epoch, as while it evaluates or saves a checkpoint, for STALL_SECONDS: longer than the
-# start-up timeout. The other ranks wait for it in their next collective.
+# start-up timeout. The other ranks wait for it in their next collective. STALL_AT names another
+# place to stall (MODULE:CLASS.METHOD) and STALL_CALL which of its calls (a script without a
+# DataLoader: rank 0 reading the model while the others wait to shard theirs).
 STALL = """
-import os, runpy, sys, time
-import torch.utils.data
+import importlib, os, runpy, sys, time
 
+where = os.environ.get("STALL_AT", "torch.utils.data:DataLoader.__iter__")
+module, _, attribute = where.partition(":")
+owner_path, _, name = attribute.rpartition(".")
+owner = importlib.import_module(module)
+for part in filter(None, owner_path.split(".")):
+    owner = getattr(owner, part)
+original = getattr(owner, name)
 calls = 0
-original = torch.utils.data.DataLoader.__iter__
 
-def stalled(self):
+def stalled(*args, **kwargs):
     global calls
     calls += 1
-    if calls == 2 and os.environ["SLURM_PROCID"] == "0":
+    rank = os.environ.get("SLURM_PROCID", os.environ.get("RANK"))
+    if calls == int(os.environ.get("STALL_CALL", "2")) and rank == "0":
         time.sleep(float(os.environ["STALL_SECONDS"]))
-    return original(self)
+    return original(*args, **kwargs)
 
-torch.utils.data.DataLoader.__iter__ = stalled
+setattr(owner, name, stalled)
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

@@ -659,9 +659,12 @@ def test_srun_passes_cores_per_task_and_kills_the_step_on_a_failed_task(script):
         assert 'srun -c "$SLURM_CPUS_PER_TASK" --kill-on-bad-exit=1 ' in line, line
 
 
-# Job scripts whose srun starts `python <script>.py` or `torchrun ... <script>.py`: each gets a
-# stand-in script whose rank 1 (the task with SLURM_PROCID 1) fails.
-SRUN_STARTS = re.compile(r"^[ \t]*srun[ \t].*?\b(?:python3?|torchrun)[ \t].*?(\S+\.py)\b", re.M)
+# Job scripts whose srun starts `python <script>.py`, `torchrun ... <script>.py` or `accelerate
+# launch ... <script>.py`: each gets a stand-in script whose rank 1 (the task with SLURM_PROCID
+# 1) fails.
+SRUN_STARTS = re.compile(
+    r"^[ \t]*srun[ \t].*?\b(?:python3?|torchrun|accelerate launch)[ \t].*?(\S+\.py)\b", re.M
+)
 SRUN_PYTHON = {s: m[1] for s in SBATCH_SCRIPTS if (m := SRUN_STARTS.search(commands(s)))}
 
 
