@@ -22,6 +22,7 @@ from conftest import (
     run,
     tiny_tokens_folder,
 )
+from tiny_llm import signal_after
 
 SCRIPT = EXAMPLES / "llm" / "finetune_fsdp2.py"
 # Four optimizer steps of 8 sequences of 32 tokens; with two processes, two micro-batches of 2
@@ -30,28 +31,6 @@ SHORT = ["--device", "cpu", "--steps", "4", "--global-batch", "8", "--micro-batc
          "--lr", "0.002", "--warmup-steps", "1", "--log-every", "1", "--checkpoint-every", "2",
          "--seed", "1", "--defer-gradient-sync"]  # fmt: skip
 STEP = re.compile(r"^step (\d+)/(\d+): loss (\S+), [\d,]+ tokens/s$", re.M)
-# `signal_after.py N SCRIPT ARGS...` runs SCRIPT, after registering an optimizer hook that sends
-# SIGUSR1 to rank 0 once its optimizer has made N steps: a requeue signal that only one process
-# receives. (No variable of its own: the run stays in the zygote, which has transformers.)
-SIGNAL_AFTER = """
-import os, runpy, signal, sys
-from torch.optim.optimizer import register_optimizer_step_post_hook
-
-steps = 0
-
-
-def count(optimizer, args, kwargs):
-    global steps
-    steps += 1
-    if steps == stop_after and os.environ["RANK"] == "0":
-        os.kill(os.getpid(), signal.SIGUSR1)
-
-
-register_optimizer_step_post_hook(count)
-stop_after = int(sys.argv[1])
-sys.argv = sys.argv[2:]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
 
 
 @pytest.fixture(scope="module")
@@ -174,9 +153,7 @@ def test_a_signal_saves_exits_75_and_the_next_run_ends_as_if_never_stopped(
     the run that never stopped."""
     model, tokens = model_and_tokens
     args = [*SHORT, "--model", model, "--tokens", tokens]
-    (tmp_path / "llm").mkdir()
-    (tmp_path / "llm" / "signal_after.py").write_text(SIGNAL_AFTER)
-    results = launch([sys.executable, tmp_path / "llm" / "signal_after.py", 2, SCRIPT, *args],
+    results = launch([sys.executable, signal_after(tmp_path), 2, SCRIPT, *args],
                      cwd=tmp_path, world=2, launcher="torchrun", timeout=180)  # fmt: skip
     assert [rc for rc, _, _ in results] == [75, 75], results
     out = results[0][1]

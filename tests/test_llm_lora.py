@@ -5,7 +5,6 @@ import importlib.metadata
 import json
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from conftest import EXAMPLES, example_env, private_mount_namespace, run
-from tiny_llm import CORPUS, SIZES
+from tiny_llm import CORPUS, SIZES, signal_after
 
 LLM = EXAMPLES / "llm"
 PREPARE = LLM / "prepare_tokens.py"
@@ -130,26 +129,17 @@ def test_the_merged_model_is_the_model_with_its_adapter(tiny_llm, trained):
 def test_sigusr1_saves_exits_75_and_the_next_run_ends_as_if_never_stopped(
     tiny_llm, tokens, trained, tmp_path
 ):
-    """A requeue signal saves a checkpoint after the step under way and exits 75; the run that
-    follows resumes there and ends with the adapter, bit for bit, of the uninterrupted run."""
+    """A requeue signal (after step 2, from an optimizer hook) saves a checkpoint after the
+    step under way and exits 75; the run that follows resumes there and ends with the adapter,
+    bit for bit, of the uninterrupted run."""
     args = [*SHORT, "--model", tiny_llm, "--tokens", tokens[0], "--steps", STEPS]
-    command = [sys.executable, LORA, *map(str, args)]
-    proc = subprocess.Popen(command, cwd=tmp_path, env=example_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
-    lines = []
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("step 1/4"):
-            proc.send_signal(signal.SIGUSR1)
-    rest, err = proc.communicate(timeout=60)
-    out = "".join(lines) + rest
-    assert proc.returncode == 75, out + err
-    stopped = re.search(r"^SIGUSR1 received: stopped after step (\d) of 4, checkpoint saved; run "
-                        r"again to resume$", out, re.M)  # fmt: skip
-    assert stopped and f"saved checkpoints/checkpoint-0000000{stopped[1]}" in out, out
+    out = run([sys.executable, signal_after(tmp_path), 2, LORA, *args], cwd=tmp_path,
+              timeout=180, expect_rc=75).stdout  # fmt: skip
+    assert out.endswith("SIGUSR1 received: stopped after step 2 of 4, checkpoint saved; run "
+                        "again to resume\n"), out  # fmt: skip
+    assert "saved checkpoints/checkpoint-00000002" in out and "step 3/4" not in out, out
     again = run([sys.executable, LORA, *args], cwd=tmp_path, timeout=180).stdout
-    assert f"resumed from checkpoints/checkpoint-0000000{stopped[1]} after {stopped[1]} steps" \
-        in again  # fmt: skip
+    assert "resumed from checkpoints/checkpoint-00000002 after 2 steps" in again, again
     assert digest(again) == digest(trained[1])
 
 

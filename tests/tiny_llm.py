@@ -66,3 +66,36 @@ def tokens(model, env):
     command = [sys.executable, script, "--model", model, "--input", CORPUS, "--seq-len", "32",
                "--output-dir"]  # fmt: skip
     return made(Path(model).parent, f"tokens-{Path(model).name}", digest(script), command, env)
+
+
+# `signal_after.py N SCRIPT ARGS...` runs SCRIPT, after registering an optimizer hook that sends
+# SIGUSR1 to rank 0 (the only process of a run without RANK) once its optimizer has made N
+# steps: a requeue signal that only one process receives. (No variable of its own: the run
+# stays in the zygote, which has transformers.)
+_SIGNAL_AFTER = """
+import os, runpy, signal, sys
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+steps = 0
+
+
+def count(optimizer, args, kwargs):
+    global steps
+    steps += 1
+    if steps == stop_after and os.environ.get("RANK", "0") == "0":
+        os.kill(os.getpid(), signal.SIGUSR1)
+
+
+register_optimizer_step_post_hook(count)
+stop_after = int(sys.argv[1])
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def signal_after(folder):
+    """folder/llm/signal_after.py, written; in llm/, so that it runs in the zygote that has
+    the Hugging Face libraries (conftest.PRELOAD)."""
+    (folder / "llm").mkdir(exist_ok=True)
+    (folder / "llm" / "signal_after.py").write_text(_SIGNAL_AFTER)
+    return folder / "llm" / "signal_after.py"
