@@ -323,11 +323,6 @@ RULES = [
         r"CHECKPOINTS=\$\{SCRATCH:-\$PWD\}(?P<rest>/\S+)",
         _assign("storage.scratch", "CHECKPOINTS={value}{rest}"),
     ),
-    # the Hugging Face cache that hf download fills on a login node: a group's shared cache
-    (
-        r"export HF_HOME=\$\{HF_HOME:-\$\{SCRATCH:-\$HOME/scratch\}/huggingface\}",
-        _assign("storage.project", "export HF_HOME=${{HF_HOME:-{value}/huggingface}}"),
-    ),
     (
         r"SHARDS=\$\{SHARDS:-shards\}",
         _assign("storage.project", "SHARDS=${{SHARDS:-{value}/shards}}"),

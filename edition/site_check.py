@@ -44,8 +44,7 @@ SLURM_DONE = {"COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "OUT_OF_MEMORY", "N
 # Variables a reader's login environment may set and the job scripts read: qsub passes them
 # on with -v (sbatch passes the whole environment). PBS passes a script no arguments: they
 # travel in ARGS, which the PBS job scripts split on spaces.
-PASSED_ON = ("VENV", "CONDA_ENV", "MODULEPATH", "SHARDS", "SCRATCH", "CHECKPOINT_ROOT", "HF_HOME",
-             "PYTHONPATH")  # fmt: skip
+PASSED_ON = ("VENV", "CONDA_ENV", "MODULEPATH", "SHARDS")
 LOG_LINES = 15
 # The line each process of the examples prints once it runs on a GPU: the GPU's UUID (or, from
 # LibTorch, its index), its model, the node. A GPU counts once however many processes share it.

@@ -264,9 +264,6 @@ def gpu_cases(script, container=False):
     for flag, value in (("--fake-data", None), ("--epochs", "1")):
         if any(name == flag for name, *_ in table):
             argv += [flag] if value is None else [flag, value]
-    for name, kind, nargs, needed in table:  # valid values for what is required (a model name)
-        if needed and name not in argv:
-            argv += argv_for(name, good_value(kind), nargs)
     for name in setup.get("files", []):  # a copy of the script's own file, or an empty one
         Path(name).parent.mkdir(parents=True, exist_ok=True)
         source = Path(script).parent / name

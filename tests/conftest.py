@@ -2,7 +2,6 @@
 
 import atexit
 import contextlib
-import functools
 import hashlib
 import html
 import importlib.metadata
@@ -204,12 +203,6 @@ def example_env(**extra):
     env["PYTHONUNBUFFERED"] = "1"
     # torchvision's CUDA-only build imports on a CPU torch with this shim (tests/shim).
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SHIM), env.get("PYTHONPATH")]))
-    # The Hugging Face libraries as on a compute node: no hub, and a cache of the tests' own
-    # (empty unless a test fills it), never the machine's.
-    env["HF_HUB_OFFLINE"] = "1"
-    env["HF_HOME"] = str(CACHE / "hf-home")
-    if not HAS_CUDA:  # DeepSpeed, which transformers imports where installed, warns on stdout
-        env["DS_ACCELERATOR"] = "cpu"  # that it found no GPU; a GPU node has one: no warning
     env.update(COMPILER_CACHE)
     env.update({key: str(value) for key, value in extra.items()})
     return env
@@ -231,9 +224,8 @@ class _Zygote:
     """tests/zygote.py, started once per test process, on first use: runs example scripts in
     children forked from a process that imported torch already, one or several at a time."""
 
-    def __init__(self, preload=()):
+    def __init__(self):
         self.base = example_env()
-        self.preload = preload  # modules it imports after torch
         self.proc = None  # started with the first run
         self.runs = 0
         self.folder = None
@@ -266,8 +258,7 @@ class _Zygote:
         with self.lock:
             if self.proc is None:
                 self.proc = subprocess.Popen(
-                    [sys.executable, TESTS / "zygote.py", *self.preload], env=self.base,
-                    stdin=subprocess.PIPE,
+                    [sys.executable, TESTS / "zygote.py"], env=self.base, stdin=subprocess.PIPE,
                     stdout=subprocess.PIPE, text=True,
                 )  # fmt: skip
                 self.folder = Path(tempfile.mkdtemp(prefix="pytorch-on-hpc-zygote-"))
@@ -312,20 +303,15 @@ class _Zygote:
         return results
 
 
-_zygotes = {}
-# Modules a folder's scripts import beside torch, preloaded by the zygote that runs them: the
-# language-model scripts' Hugging Face libraries (4 to 5 s of imports a run otherwise).
-PRELOAD = {"llm": ("transformers", "transformers.models.llama.modeling_llama", "peft",
-                   "accelerate", "safetensors.torch", "numpy")}  # fmt: skip
+_zygote = None
 
 
-def zygote(script=None):
-    """This test process's tests/zygote.py for the script (its folder's PRELOAD), started on
-    first use."""
-    preload = PRELOAD.get(Path(script).parent.name, ()) if script else ()
-    if preload not in _zygotes:
-        _zygotes[preload] = _Zygote(preload)
-    return _zygotes[preload]
+def zygote():
+    """This test process's tests/zygote.py, started on first use."""
+    global _zygote
+    if _zygote is None:
+        _zygote = _Zygote()
+    return _zygote
 
 
 def run(cmd, *, cwd, env=None, timeout=120, expect_rc=0):
@@ -334,9 +320,8 @@ def run(cmd, *, cwd, env=None, timeout=120, expect_rc=0):
     always a process of its own)."""
     cmd = [str(part) for part in cmd]
     env = env or example_env()
-    forks = zygote(cmd[1] if len(cmd) > 1 else None)
-    if expect_rc is not None and forks.takes(cmd, cwd, env):
-        proc = forks.wait([forks.start(cmd, cwd, env, timeout)])[0]
+    if expect_rc is not None and zygote().takes(cmd, cwd, env):
+        proc = zygote().wait([zygote().start(cmd, cwd, env, timeout)])[0]
     else:
         proc = subprocess.run(
             cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
@@ -348,36 +333,6 @@ def run(cmd, *, cwd, env=None, timeout=120, expect_rc=0):
             pytrace=False,
         )
     return proc
-
-
-@functools.cache
-def tiny_llm_folder():
-    """A tiny Llama model folder with its tokenizer (tests/tiny_llm.py), built once per machine
-    and shared by every worker."""
-    import tiny_llm as made
-
-    return made.tiny_llm(CACHE / "llm", example_env())
-
-
-@functools.cache
-def tiny_tokens_folder():
-    """tests/llm/corpus.txt in blocks of 32 tokens of the tiny model, made once per machine by
-    examples/llm/prepare_tokens.py, as a reader makes them on a login node."""
-    import tiny_llm as made
-
-    return made.tokens(tiny_llm_folder(), example_env())
-
-
-@pytest.fixture(scope="session")
-def tiny_llm():
-    return tiny_llm_folder()
-
-
-def give_llm(folder):
-    """What a reader has before a language-model job: the model and its tokens, here as
-    model/ and tokens/ in the job's folder (Job.llm)."""
-    (folder / "model").symlink_to(tiny_llm_folder())
-    (folder / "tokens").symlink_to(tiny_tokens_folder())
 
 
 @pytest.fixture
@@ -417,7 +372,6 @@ class Job:
     # the tests' own
     prepare: tuple = ()  # shell commands run in the job's folder before it is submitted, as a
     # reader prepares data or an image on a login node
-    llm: bool = False  # the job reads model/ and tokens/ in its folder (give_llm)
 
     def assert_printed(self, output, job_id):
         """Every expected line is in the job's output: a string, where {job_id} is the job's
@@ -835,10 +789,9 @@ def launch(cmd, *, cwd, world=2, launcher="srun", env=example_env, timeout=120, 
         variables = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": 1,
                      **ids, **extra}  # fmt: skip
         envs.append(env(**variables))
-    forks = zygote(cmd[1] if len(cmd) > 1 else None)
-    if all(forks.takes(cmd, cwd, one) for one in envs):  # the ranks forked, side by side
-        started = [forks.start(cmd, cwd, one, timeout) for one in envs]
-        return [(proc.returncode, proc.stdout, proc.stderr) for proc in forks.wait(started)]
+    if all(zygote().takes(cmd, cwd, one) for one in envs):  # the ranks forked, side by side
+        started = [zygote().start(cmd, cwd, one, timeout) for one in envs]
+        return [(proc.returncode, proc.stdout, proc.stderr) for proc in zygote().wait(started)]
     procs, outputs = [], []
     try:
         for one in envs:
@@ -892,30 +845,22 @@ def slurm_task_env(rank=0, tasks=2, **extra):
 
 # Runs an example (python stall.py EXAMPLE ARGS...) in which rank 0 stalls at the start of its
 # second epoch, as while it evaluates or saves a checkpoint, for STALL_SECONDS: longer than the
-# start-up timeout. The other ranks wait for it in their next collective. STALL_AT names another
-# place to stall (MODULE:CLASS.METHOD) and STALL_CALL which of its calls (a script without a
-# DataLoader: rank 0 reading the model while the others wait to shard theirs).
+# start-up timeout. The other ranks wait for it in their next collective.
 STALL = """
-import importlib, os, runpy, sys, time
+import os, runpy, sys, time
+import torch.utils.data
 
-where = os.environ.get("STALL_AT", "torch.utils.data:DataLoader.__iter__")
-module, _, attribute = where.partition(":")
-owner_path, _, name = attribute.rpartition(".")
-owner = importlib.import_module(module)
-for part in filter(None, owner_path.split(".")):
-    owner = getattr(owner, part)
-original = getattr(owner, name)
 calls = 0
+original = torch.utils.data.DataLoader.__iter__
 
-def stalled(*args, **kwargs):
+def stalled(self):
     global calls
     calls += 1
-    rank = os.environ.get("SLURM_PROCID", os.environ.get("RANK"))
-    if calls == int(os.environ.get("STALL_CALL", "2")) and rank == "0":
+    if calls == 2 and os.environ["SLURM_PROCID"] == "0":
         time.sleep(float(os.environ["STALL_SECONDS"]))
-    return original(*args, **kwargs)
+    return original(self)
 
-setattr(owner, name, stalled)
+torch.utils.data.DataLoader.__iter__ = stalled
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

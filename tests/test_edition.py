@@ -711,9 +711,6 @@ def test_a_pbs_centre_whose_queues_set_the_chunks_asks_for_queues_and_chunk_coun
         "ddp/ddp_torchrun.pbs": ("rt_HF", "select=2"),
         "arrays/sweep.pbs": ("rt_HC", "select=1"),
         "arrays/collect.pbs": ("rt_HC", "select=1"),
-        "llm/finetune_lora.pbs": ("rt_HG", "select=1"),
-        "llm/finetune_fsdp2.pbs": ("rt_HF", "select=2"),
-        "llm/finetune_accelerate.pbs": ("rt_HF", "select=2"),
     }
     assert sorted(expected) == PBS_SCRIPTS
     for name, (queue, chunk) in expected.items():

@@ -86,20 +86,6 @@ BLOCKS = {
     ("cpp/libtorch.md", "[user@login libtorch]$ sbatch libtorch.sbatch"): ("console", "slurm"),
     ("cpp/libtorch.md", "(pytorch) [user@login libtorch]$ python show_build_info.py"):
         ("console", "local"),
-    ("llm/models.md", "(pytorch) [user@login llm]$ python -m pip install -r requirements.txt"):
-        ("not run", "installs from PyPI into the reader's venv: the tests install nothing into "
-         "theirs; test_llm_lora.py checks that requirements.txt pins the versions they run"),
-    ("llm/models.md", "(pytorch) [user@login ~]$ export HF_HOME=/project/mygroup/huggingface"):
-        ("not run", "hf download needs the Hugging Face Hub, which the tests never reach: "
-         "test_llm_lora.py shows the one-line stop that names the command"),
-    ("llm/models.md",
-     "(pytorch) [user@login llm]$ python make_tiny_model.py --text make_tiny_model.py"):
-        ("console", "local"),
-    ("llm/models.md", "(pytorch) [user@login llm]$ python prepare_tokens.py --model tiny-model "
-     "--input make_tiny_model.py --seq-len 64"): ("console", "local"),
-    ("llm/memory.md", "(pytorch) [user@login llm]$ export HF_HOME=/project/mygroup/huggingface"):
-        ("not run", "hf download needs the Hugging Face Hub: test_llm_plan.py runs "
-         "plan_memory.py on a Hub name in the tests' cache"),
     ("about/centres.md", "$ python3 edition/sitefile.py site.toml"): ("not run", "site.toml is "
      "the centre's own: test_edition.py runs sitefile.py on the template, on the tests' site "
      "files and on broken copies, and records the message the page shows (bad-site.out)"),

@@ -38,8 +38,7 @@ def test_site_check_runs_every_job_script_of_the_complex_and_records_it(complex_
     shutil.copy(TEST_SITES["pbs"], site)
     proc = run(["make", "--no-print-directory", "site-check", f"SITE={site}",
                 f"CHECK_ARGS=--work-dir {tmp_path / 'work'} --max-jobs 3 --timeout 400"],
-               cwd=ROOT, env={**complex_env, "CHECKPOINT_ROOT": str(tmp_path / "checkpoints")},
-               timeout=600)  # fmt: skip
+               cwd=ROOT, env=complex_env, timeout=600)  # fmt: skip
     total = len(PBS_SCRIPTS)
     assert f"the tests' PBS complex: {total} of {total} job scripts passed. Record: " in (
         proc.stdout

@@ -32,7 +32,6 @@ from conftest import (
     build_edition,
     centre_edition,
     copy_example,
-    give_llm,
     make_job_env,
     page_text,
     run,
@@ -46,10 +45,6 @@ GPU_REQUEST = load(TEST_SITES["slurm"]).gpu_request
 
 
 # One entry per Slurm job script in examples/ (a test fails when one is missing).
-# The LoRA jobs: two steps on the tiny model and its tokens (Job.llm), on the CPU.
-LORA_ARGS = ("--device", "cpu", "--model", "model", "--tokens", "tokens", "--steps", "2",
-             "--global-batch", "8", "--micro-batch", "4", "--rank", "4",
-             "--log-every", "1")  # fmt: skip
 JOBS = {
     "first-job/check_pytorch.sbatch": Job(
         files=("install/check_pytorch.py",),
@@ -380,53 +375,6 @@ JOBS = {
             "    tensorboard --logdir ",
         ),
     ),
-    "llm/finetune_lora.sbatch": Job(
-        files=("llm/finetune_lora.py",),
-        args=LORA_ARGS,
-        expect=(
-            "Job {job_id} on ",
-            "trainable (LoRA rank 4 on q_proj, k_proj, v_proj, o_proj), cpu, float32",
-            "step 2/2: loss ",
-            "/checkpoints/finetune-lora/checkpoints/checkpoint-00000002",
-            "adapter saved to ",
-        ),
-        llm=True,
-    ),
-    "llm/finetune_fsdp2.sbatch": Job(
-        files=("llm/finetune_fsdp2.py",),
-        args=tuple(
-            "--device cpu --model model --tokens tokens --steps 2 --global-batch 8 "
-            "--micro-batch 1 --log-every 1".split()
-        ),
-        expect=(
-            "Job {job_id}: 2 nodes x 2 processes, rendezvous at n1:",
-            "4 processes on 2 node(s) (n1, n2), cpu (gloo), compute in float32",
-            "global batch 8 sequences of 32 tokens = 4 processes x 2 micro-batches of 1",
-            "step 2/2: loss ",
-            "/checkpoints/{job_id}/checkpoints/checkpoint-00000002",
-            "/checkpoints/{job_id}/model (",
-        ),
-        llm=True,
-    ),
-    "llm/finetune_accelerate.sbatch": Job(
-        files=("llm/finetune_accelerate.py", "llm/accelerate_fsdp.yaml"),
-        args=tuple(
-            "--device cpu --model model --tokens tokens --steps 2 --global-batch 8 "
-            "--micro-batch 2 --log-every 1".split()
-        ),
-        expect=(
-            "Job {job_id}: 2 nodes x 2 processes, rendezvous at n1:",
-            # Accelerate applies FSDP on GPUs only: on these nodes' CPUs, DDP, and it says so.
-            "finetune_accelerate.py: warning: FSDP is not used on the CPU",
-            "4 processes on n1, n2: cpu, data parallel (DDP, gloo), mixed precision bf16",
-            "global batch 8 sequences of 32 tokens = 4 processes x 1 micro-batch of 2",
-            "step 2/2: loss ",
-            "saved /",
-            "/checkpoints/finetune-accelerate-{job_id}/checkpoints/checkpoint-00000002",
-            "model saved to /",
-        ),
-        llm=True,
-    ),
     "jupyter/jupyter.sbatch": Job(
         args=("--allow-root",),  # the tests' jobs run as root, which Jupyter refuses without it
         expect=(
@@ -472,9 +420,7 @@ def wait_for(job_id, env, timeout=600):
 
 
 def prepare(job, folder, env):
-    """What a reader does on a login node before submitting the job (Job.prepare, Job.llm)."""
-    if job.llm:
-        give_llm(folder)
+    """What a reader does on a login node before submitting the job (Job.prepare)."""
     for command in job.prepare:
         run(["bash", "-c", command], cwd=folder, env=env, timeout=300)
 
@@ -659,12 +605,9 @@ def test_srun_passes_cores_per_task_and_kills_the_step_on_a_failed_task(script):
         assert 'srun -c "$SLURM_CPUS_PER_TASK" --kill-on-bad-exit=1 ' in line, line
 
 
-# Job scripts whose srun starts `python <script>.py`, `torchrun ... <script>.py` or `accelerate
-# launch ... <script>.py`: each gets a stand-in script whose rank 1 (the task with SLURM_PROCID
-# 1) fails.
-SRUN_STARTS = re.compile(
-    r"^[ \t]*srun[ \t].*?\b(?:python3?|torchrun|accelerate launch)[ \t].*?(\S+\.py)\b", re.M
-)
+# Job scripts whose srun starts `python <script>.py` or `torchrun ... <script>.py`: each gets a
+# stand-in script whose rank 1 (the task with SLURM_PROCID 1) fails.
+SRUN_STARTS = re.compile(r"^[ \t]*srun[ \t].*?\b(?:python3?|torchrun)[ \t].*?(\S+\.py)\b", re.M)
 SRUN_PYTHON = {s: m[1] for s in SBATCH_SCRIPTS if (m := SRUN_STARTS.search(commands(s)))}
 
 

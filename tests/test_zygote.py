@@ -14,8 +14,8 @@ from conftest import example_env, launch, run
 
 
 def forked_runs():
-    """How many runs this test process's zygotes have forked so far."""
-    return sum(forks.runs for forks in conftest._zygotes.values())
+    """How many runs this test process's zygote has forked so far."""
+    return conftest._zygote.runs if conftest._zygote else 0
 
 
 SCRIPTS = {

@@ -27,17 +27,12 @@ number) gets torch.set_num_threads(N) in its child before the script starts, as 
 would have given it; the variable itself is in the child's environment for the processes it
 starts.
 
-More modules: `zygote.py MODULE...` imports them too, after torch. The language-model scripts
-(examples/llm/) import transformers and PEFT, which cost 4 to 5 s more: their runs go to a
-zygote of their own that imported those (conftest.PRELOAD), so other scripts never see them.
-
 Protocol: one JSON request per line on stdin ({"id", "argv", "cwd", "env", "stdout", "stderr",
 "timeout"}), one JSON reply per line on stdout when that run has ended ({"id", "returncode"} or
 {"id", "timeout": true}). Requests may overlap: the ranks of a distributed run are started
 together and run side by side.
 """
 
-import importlib
 import json
 import os
 import re
@@ -166,8 +161,6 @@ def main():
     import torch  # noqa: F401, PLC0415 (the point: once, before any fork)
     import torch.distributed  # noqa: F401, PLC0415
 
-    for name in sys.argv[1:]:  # more modules, for the scripts of one folder (conftest.PRELOAD)
-        importlib.import_module(name)
     serve(requests, replies)
 
 
