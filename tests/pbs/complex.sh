@@ -94,10 +94,10 @@ up() {
     for home in "$HOME1" "$HOME2"; do
         # Output files are copied with cp (all hosts are this machine), not scp.
         echo "\$usecp *:/ /" >> "$home/mom_priv/config"
-        # Each MoM accepts the other's connections from the start. It learns the addresses of
-        # the complex's nodes from the server, which sent pbs-n1's MoM none once (every
-        # two-node job then failed: "im_request, bad connect from 198.18.0.2", JOIN_JOB
-        # error 15059, the job held after too many attempts).
+        # Each MoM accepts the other's connections from the start, rather than once the server
+        # has sent it the nodes' addresses: in one run it never did, pbs-n1's MoM refused
+        # pbs-n2's ("im_request, bad connect from 198.18.0.2", JOIN_JOB error 15059) and every
+        # two-node job was held after too many failed starts.
         printf "\$clienthost %s\n" pbs-n1 pbs-n2 >> "$home/mom_priv/config"
         echo "PBS_CONF_FILE=$CONF1" >> "$home/pbs_environment"
     done
